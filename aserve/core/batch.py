@@ -1,0 +1,103 @@
+"""The plain data that crosses the scheduler -> runner boundary (and the executor's pipe).
+
+Only ids, ints, floats and lists: msgspec structs that encode with msgpack. The runner never
+sees a Request object; it keeps its own per-request state keyed by `req_id`.
+
+Protocol, per step:
+  * `new_requests`: requests the runner has not seen (or resumed after a recompute preemption):
+    full token ids (prompt + outputs so far), sampling params, the full block table,
+    and `num_computed_tokens` (> 0 on a prefix-cache hit).
+  * `cached_requests`: requests the runner already holds; only what changed: blocks appended
+    to the block table and the current `num_computed_tokens`.
+  * `scheduled_req_ids[i]` gets `num_scheduled_tokens[i]` tokens this step, starting at its
+    `num_computed_tokens`. A request samples a token when, after this step, every one of its
+    tokens is computed (computed + scheduled == len(prompt) + len(outputs)).
+  * `finished_req_ids`: finished, aborted or preempted since the last step: the runner drops them
+    before doing anything else.
+  * `blocks_to_copy` / `blocks_to_swap_out` / `blocks_to_swap_in`: (src, dst) block ids the runner
+    applies before the forward pass (swap_out: device -> cpu, swap_in: cpu -> device).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from aserve.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after a preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    stop_token_ids_for_min_tokens: list[int]  # EOS + stop_token_ids, masked while len(outputs) < min_tokens
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    scheduled_req_ids: list[str]
+    num_scheduled_tokens: list[int]
+    finished_req_ids: list[str]
+    blocks_to_copy: list[tuple[int, int]] = []
+    blocks_to_swap_out: list[tuple[int, int]] = []
+    blocks_to_swap_in: list[tuple[int, int]] = []
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_req_ids
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log probabilities at one position: the chosen token first, then the top-N (may repeat it)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class RunnerOutput(msgspec.Struct, array_like=True):
+    """One step's results, in `req_ids` order (only requests that sampled this step)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    # req_id -> one entry per prompt position computed this step (position 0 has no logprob, omitted).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Set when the step failed; the engine fails the step's requests with this message.
+    error: str | None = None
+
+
+class RunnerInfo(msgspec.Struct):
+    """What the runner reports once it has loaded the model and sized the KV cache."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    kv_bytes_per_block: int
+    device: str
+    attention_backend: str
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """What `Scheduler.update` reports per request per step (to the engine's output processor)."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = []  # one per new token when logprobs were requested
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id (not EOS) that ended it
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled

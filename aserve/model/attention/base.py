@@ -1,0 +1,56 @@
+"""The attention-backend interface: how a layer reads and writes the paged KV cache.
+
+KV cache layout, per layer: one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0 = keys, 1 = values). Token t of a sequence lives in block `block_table[t // block_size]`
+at offset `t % block_size`; its flat slot is `block_id * block_size + offset`.
+
+The runner orders each batch with decode sequences (query length 1) first, then prefill /
+extend sequences (query length >= 1 that attend to cached context plus themselves, causally).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every attention layer. Tensors live on the model's device."""
+
+    num_tokens: int  # real (unpadded) tokens in the flat batch
+    num_seqs: int
+    num_decodes: int  # the first `num_decodes` sequences have query length 1
+    num_decode_tokens: int  # == num_decodes
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written (-1: skip)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32 (padded with 0)
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so CPU code can loop over prefill sequences without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    sliding_window: int | None = None
+    # fp8 KV cache: per-layer scales (1.0 when not quantized).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the cache, then attends. Shapes: q [T, H, D], k/v [T, KVH, D]."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
