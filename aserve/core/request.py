@@ -1,0 +1,128 @@
+"""One request's scheduling state: token ids, progress, status and full-block hashes."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from collections.abc import Iterable
+
+from aserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # recompute-preempted: back in the waiting queue, blocks released
+    SWAPPED = 3  # swap-preempted: blocks copied to CPU, in the swapped queue
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """"stop" | "length" | "abort" | "error" for a finished status, None otherwise."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """A request as the scheduler sees it (one sample of an n > 1 request is one Request).
+
+    `num_computed_tokens` counts the leading tokens whose KV is in the cache (or is being computed
+    by the step in flight). `block_hashes` holds the hashes of the full blocks of `all_token_ids`
+    computed so far (filled lazily by the KV cache manager). `wait_for_req_id` names the leader of
+    an n > 1 group: the request is not scheduled until the leader's prompt is computed, so that it
+    shares the leader's prompt blocks. `share_prefix` marks members of such a group; their full
+    blocks are hashed and shared even when prefix caching is disabled.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority",
+        "wait_for_req_id", "share_prefix", "max_tokens", "output_token_ids", "num_computed_tokens", "status",
+        "stop_reason", "num_cached_tokens", "num_preemptions", "block_hashes", "_all_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        wait_for_req_id: str | None = None,
+        max_model_len: int | None = None,
+        share_prefix: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.wait_for_req_id = wait_for_req_id
+        self.share_prefix = share_prefix
+        if sampling_params.max_tokens is not None:
+            self.max_tokens = sampling_params.max_tokens
+        elif max_model_len is not None:
+            self.max_tokens = max(max_model_len - len(prompt_token_ids), 0)
+        else:
+            self.max_tokens = sys.maxsize
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs; a live list owned by the request (do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            token_ids = list(token_ids)
+            self.output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"outputs={self.num_output_tokens}, computed={self.num_computed_tokens})")

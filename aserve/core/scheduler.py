@@ -1,0 +1,478 @@
+"""The scheduler: one rule, no phases.
+
+Every step each request's `num_computed_tokens` catches up with its token count under a token
+budget (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`). Running requests
+go first (a decode is one token; a running request still prefilling gets a chunk), then swapped
+requests are swapped back in, then waiting requests are admitted (fcfs: arrival order; priority:
+lower `priority` first, then arrival). When a running request cannot get blocks, the lowest-ranked
+running request is preempted (recompute, or swap when configured) and the allocation retried.
+
+`schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run);
+`update()` appends the sampled tokens and applies the stop rules. The protocol with the runner is
+described in `aserve.core.batch`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
+from aserve.core.batch import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.request import Request, RequestStatus
+
+_WAITING_LIKE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@dataclass
+class SchedulerSnapshot:
+    """The scheduler's gauges and cumulative counters (same fields as engine.stats.SchedulerStats)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_swapped_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    num_tokens_in_used_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class _FCFSQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def add_front(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def add_front_all(self, reqs: list[Request]) -> None:
+        """Puts `reqs` (in their order) back in front of the queue."""
+        self._q.extendleft(reversed(reqs))
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class _PriorityQueue:
+    """Lowest (priority, arrival_time) first; ties in insertion order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
+
+    add_front = add
+
+    def add_front_all(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.add(req)
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        for i, entry in enumerate(self._heap):
+            if entry[3] is req:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return
+        raise ValueError(f"{req.request_id!r} not queued")
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[3] for entry in sorted(self._heap))
+
+
+class Scheduler:
+    """Owns the request queues and the KV cache manager. Not thread-safe: one caller at a time."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_info: KVCacheInfo) -> None:
+        mode = scheduler_config.preemption_mode or "recompute"
+        if mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode: must be 'recompute' or 'swap', got {mode!r}")
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {scheduler_config.policy!r}")
+        self.config = scheduler_config
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = scheduler_config.max_model_len
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.priority_policy = scheduler_config.policy == "priority"
+        self.block_size = kv_info.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=kv_info.num_blocks,
+            block_size=kv_info.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            num_cpu_blocks=kv_info.num_cpu_blocks,
+        )
+        self.swap_enabled = mode == "swap" and kv_info.num_cpu_blocks > 0
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: _FCFSQueue | _PriorityQueue = _PriorityQueue() if self.priority_policy else _FCFSQueue()
+        self.swapped: _FCFSQueue | _PriorityQueue = _PriorityQueue() if self.priority_policy else _FCFSQueue()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
+        self._runner_req_ids: set[str] = set()  # requests whose state the runner holds
+
+    # -- intake and queries ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a new request (status WAITING). Raises ValueError on a duplicate id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already scheduled")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Whether finished ids still wait to be reported to the runner (run one more step for them)."""
+        return bool(self._finished_req_ids)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        """Finishes the requests as FINISHED_ABORTED; unknown or finished ids are ignored."""
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finishes the requests with `status` (a finished status): blocks are freed now and the ids
+        go to the runner in the next SchedulerOutput.finished_req_ids. Unknown ids are ignored."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status: must be a finished status, got {status!r}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req.status in _WAITING_LIKE:
+                self.waiting.remove(req)
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Marks finished and releases everything; the caller has taken it out of its queue."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self._runner_req_ids.discard(req.request_id)
+        self._finished_req_ids.append(req.request_id)
+
+    # -- schedule --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        chunked = self.chunked_prefill
+        running = self.running
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted = False
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            remaining = min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
+            num_new = min(remaining, budget)
+            if num_new <= 0 or (num_new < remaining and not chunked):
+                i += 1
+                continue
+            while True:
+                blocks = kv.allocate_slots(req, num_new)
+                if blocks is not None:
+                    break
+                victim_idx = self._victim_index()
+                victim = running[victim_idx]
+                budget += self._preempt(victim_idx, num_scheduled, new_block_ids, swap_out)
+                preempted = True
+                if victim is req:
+                    break
+                if victim_idx < i:
+                    i -= 1
+            if blocks is None:
+                break
+            num_scheduled[req.request_id] = num_new
+            new_block_ids[req.request_id] = blocks
+            budget -= num_new
+            i += 1
+
+        # 2. Swapped requests come back before new ones are admitted; nothing is admitted in a step
+        # that preempted (the blocks just freed would be fought over).
+        if not preempted:
+            while len(self.swapped) and budget > 0 and len(running) < self.max_num_seqs:
+                req = self.swapped.peek()
+                remaining = req.num_tokens - req.num_computed_tokens
+                num_new = min(remaining, budget)
+                if num_new < remaining and not chunked:
+                    break
+                if not kv.can_swap_in(req, num_new):
+                    break
+                self.swapped.pop()
+                swap_in.extend(kv.swap_in(req))
+                req.status = RequestStatus.RUNNING
+                running.append(req)
+                if num_new > 0:
+                    blocks = kv.allocate_slots(req, num_new)
+                    assert blocks is not None  # can_swap_in counted these
+                    num_scheduled[req.request_id] = num_new
+                    new_block_ids[req.request_id] = blocks
+                    budget -= num_new
+
+            # 3. Waiting requests.
+            if not len(self.swapped):
+                self._schedule_waiting(budget, num_scheduled, new_block_ids)
+
+        # 4. The output, in running order; then the step's tokens count as computed.
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        scheduled_ids: list[str] = []
+        scheduled_nums: list[int] = []
+        runner_ids = self._runner_req_ids
+        for req in running:
+            req_id = req.request_id
+            n = num_scheduled.get(req_id)
+            if n is None:
+                continue
+            if req_id in runner_ids:
+                cached_reqs.append(CachedRequestData(req_id, new_block_ids[req_id], req.num_computed_tokens))
+            else:
+                runner_ids.add(req_id)
+                new_reqs.append(self._new_request_data(req))
+            scheduled_ids.append(req_id)
+            scheduled_nums.append(n)
+            req.num_computed_tokens += n
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            scheduled_req_ids=scheduled_ids,
+            num_scheduled_tokens=scheduled_nums,
+            finished_req_ids=finished,
+            blocks_to_copy=[],
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+        )
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_block_ids: dict[str, list[int]]) -> None:
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        skipped: list[Request] = []
+        while len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
+            req = waiting.peek()
+            if req.wait_for_req_id is not None and not self._leader_ready(req.wait_for_req_id):
+                skipped.append(waiting.pop())
+                continue
+            computed_blocks, num_cached = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    if self.priority_policy:
+                        skipped.append(waiting.pop())
+                        continue
+                    break
+                num_new = budget
+            blocks = kv.allocate_slots(req, num_new, computed_blocks)
+            if blocks is None:
+                break
+            waiting.pop()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            running.append(req)
+            num_scheduled[req.request_id] = num_new
+            new_block_ids[req.request_id] = blocks
+            budget -= num_new
+        if skipped:
+            waiting.add_front_all(skipped)
+
+    def _leader_ready(self, leader_id: str) -> bool:
+        """An n > 1 sibling may start once its leader's prompt is computed (or the leader is gone)."""
+        leader = self.requests.get(leader_id)
+        if leader is None:
+            return True
+        if leader.status in _WAITING_LIKE:
+            return False
+        return leader.num_computed_tokens >= leader.num_prompt_tokens
+
+    def _victim_index(self) -> int:
+        running = self.running
+        if not self.priority_policy:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda j: (running[j].priority, running[j].arrival_time, j))
+
+    def _preempt(self, idx: int, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                 swap_out: list[tuple[int, int]]) -> int:
+        """Preempts running[idx] (undoing its scheduling this step); returns the budget it gave back."""
+        req = self.running.pop(idx)
+        kv = self.kv_cache_manager
+        req_id = req.request_id
+        given_back = num_scheduled.pop(req_id, 0)
+        new_block_ids.pop(req_id, None)
+        if self.swap_enabled and kv.can_swap_out(req):
+            swap_out.extend(kv.swap_out(req))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.add_front(req)
+        else:
+            kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.add_front(req)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._runner_req_ids.discard(req_id)
+        self._finished_req_ids.append(req_id)
+        return given_back
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        params = req.sampling_params
+        stop_ids = list(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.extend(req.eos_token_ids)
+        return NewRequestData(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=params,
+            block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
+            num_computed_tokens=req.num_computed_tokens,
+            stop_token_ids_for_min_tokens=stop_ids,
+        )
+
+    # -- update ----------------------------------------------------------------------------------
+    def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
+        """Applies one step's results: one EngineCoreOutput per request that sampled a token, got
+        prompt logprobs or finished. When the step failed (`runner_output.error`), every request of
+        the step still unfinished finishes with FINISHED_ERROR (finish_reason "error")."""
+        if runner_output.error is not None:
+            return self._fail_step(scheduler_output)
+        outputs: list[EngineCoreOutput] = []
+        requests = self.requests
+        prompt_logprobs = runner_output.prompt_logprobs
+        logprobs = runner_output.logprobs
+        any_finished = False
+        for i, req_id in enumerate(runner_output.req_ids):
+            req = requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            token = runner_output.sampled_token_ids[i]
+            req.append_output_token_ids(token)
+            status = self._check_stop(req, token)
+            lp = logprobs[i] if logprobs else None
+            outputs.append(EngineCoreOutput(
+                req_id=req_id,
+                new_token_ids=[token],
+                new_logprobs=[lp] if lp is not None else [],
+                new_prompt_logprobs=prompt_logprobs.get(req_id) if prompt_logprobs else None,
+                finish_reason=RequestStatus.finish_reason(status) if status is not None else None,
+                stop_reason=req.stop_reason,
+                num_cached_tokens=req.num_cached_tokens,
+            ))
+            if status is not None:
+                any_finished = True
+                self._finish(req, status)
+        if prompt_logprobs:
+            sampled = set(runner_output.req_ids)
+            for req_id, entries in prompt_logprobs.items():
+                req = requests.get(req_id)
+                if req_id in sampled or req is None:
+                    continue
+                outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], new_prompt_logprobs=entries,
+                                                num_cached_tokens=req.num_cached_tokens))
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if params.stop_token_ids and token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        failed = [req_id for req_id in scheduler_output.scheduled_req_ids if req_id in self.requests]
+        for req_id in failed:
+            outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="error",
+                                            num_cached_tokens=self.requests[req_id].num_cached_tokens))
+        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        return outputs
+
+    # -- stats -----------------------------------------------------------------------------------
+    def snapshot(self) -> SchedulerSnapshot:
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        num_tokens = 0
+        for req in self.running:
+            num_tokens += min(req.num_computed_tokens, len(kv.get_block_ids(req.request_id)) * bs)
+        return SchedulerSnapshot(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_swapped_reqs=len(self.swapped),
+            kv_cache_usage=kv.usage,
+            num_used_blocks=kv.num_used_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            num_tokens_in_used_blocks=num_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

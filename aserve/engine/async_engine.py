@@ -1,0 +1,223 @@
+"""AsyncEngine: the scheduler task on the server's event loop.
+
+Each step: schedule -> the executor runs the forward pass on a worker thread (off the loop) ->
+meanwhile the previous step's outputs are processed (detokenize, stop strings, logprobs, streams)
+-> update. Per-request streams are bounded: if a consumer lags, deltas merge into one pending
+output instead of queueing without limit, and the engine never blocks on a slow client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+
+from aserve.config import EngineArgs
+from aserve.core.batch import EngineCoreOutput, SchedulerOutput
+from aserve.engine.llm_engine import LLMEngine
+from aserve.engine.stats import SchedulerStats, StatLogger
+from aserve.outputs import CompletionOutput, RequestOutput
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; every pending and future request fails with this."""
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    into.finished = new.finished
+    into.metrics = new.metrics
+    if new.prompt_logprobs is not None:
+        into.prompt_logprobs = new.prompt_logprobs
+    into.extra.update(new.extra)
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Holds at most one pending (merged) output."""
+
+    def __init__(self, request_id: str, kind: RequestOutputKind):
+        self.request_id = request_id
+        self.kind = kind
+        self.prompt_token_ids: list[int] = []
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = anyio.Event()
+        self._done = False
+
+    def put(self, out: RequestOutput) -> None:
+        if self._pending is None or self.kind != RequestOutputKind.DELTA:
+            self._pending = out
+        else:
+            _merge_delta(self._pending, out)
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._event.set()
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        while self._pending is None and self._error is None:
+            await self._event.wait()
+            self._event = anyio.Event()
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            if out.finished:
+                self._done = True
+            return out
+        self._done = True
+        raise self._error
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.model_config = engine.model_config
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.streams: dict[str, RequestStream] = {}
+        self._wakeup = anyio.Event()
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self._sched_stats = SchedulerStats()
+        self.overlap = not engine.config.runner.disable_async_output_proc
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+                         **runner_kwargs) -> AsyncEngine:
+        return cls(LLMEngine.from_engine_args(args, stat_loggers, **runner_kwargs))
+
+    # -- health -----------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def is_healthy(self) -> bool:
+        return self.dead_error is None
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.engine.stat_loggers.append(stat_logger)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.engine.core.scheduler_stats()
+
+    @property
+    def generation_defaults(self) -> dict:
+        return self.engine.generation_defaults
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Validates (raises SamplingParamsError naming the field) and queues a request."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error}")
+        if self._stopping:
+            raise EngineDeadError("engine is shutting down")
+        stream = RequestStream(request_id, params.output_kind)
+        stream.prompt_token_ids = self.engine.add_request(request_id, prompt, params, prompt_token_ids, priority)
+        self.streams[request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Frees the request's KV blocks now (the scheduler drops it before the next step)."""
+        stream = self.streams.pop(request_id, None)
+        out = self.engine.abort_request(request_id)
+        if stream is not None and out is not None:
+            stream.put(out)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _deliver(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
+        processed = self.engine.process(outputs, step_time)
+        for out in processed.request_outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self.streams[out.request_id]
+
+    async def _execute(self, so: SchedulerOutput, result: list) -> None:
+        result.append(await anyio.to_thread.run_sync(self.engine.execute, so))
+
+    async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """The engine loop. Returns after shutdown(); raises (and fails every stream) if the engine dies."""
+        task_status.started()
+        pending: list[EngineCoreOutput] | None = None
+        pending_time = 0.0
+        try:
+            while not self._stopping or self.engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests():
+                    if pending is not None:
+                        self._deliver(pending, pending_time)
+                        pending = None
+                        continue
+                    if self._stopping:
+                        break
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                start = time.perf_counter()
+                so = self.engine.schedule()
+                result: list = []
+                if self.overlap and pending is not None:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._execute, so, result)
+                        self._deliver(pending, pending_time)  # overlaps the forward pass
+                    pending = None
+                else:
+                    if pending is not None:
+                        self._deliver(pending, pending_time)
+                        pending = None
+                    await self._execute(so, result)
+                outs = self.engine.update(so, result[0])
+                pending, pending_time = outs, time.perf_counter() - start
+                if not self.overlap:
+                    self._deliver(pending, pending_time)
+                    pending = None
+                await anyio.sleep(0)  # let request handlers run between steps
+            if pending is not None:
+                self._deliver(pending, pending_time)
+        except BaseException as exc:
+            if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                logger.exception("Engine loop died")
+                self.dead_error = exc
+            err = EngineDeadError(f"engine loop stopped: {exc!r}")
+            for stream in self.streams.values():
+                stream.fail(err)
+            self.streams.clear()
+            raise
+        finally:
+            self.engine.shutdown()

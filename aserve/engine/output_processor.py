@@ -1,0 +1,291 @@
+"""The one per-step loop over engine outputs: detokenize, stop strings, logprobs, RequestOutputs, stats.
+
+A user request with n (or best_of) samples is one `RequestState` holding one `SampleState` per
+sample; each sample is its own scheduler request (`child_request_id`). Stop strings are found here
+(they need text); the matching samples are returned in `reqs_to_finish` so the engine tells the
+scheduler, which frees their blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aserve.core.batch import EngineCoreOutput, TokenLogprobs
+from aserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, decode_token_texts
+from aserve.engine.stats import FinishedRequestStats, IterationStats
+from aserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_request_id(request_id: str, index: int, num_samples: int) -> str:
+    return request_id if num_samples == 1 else f"{request_id}#{index}"
+
+
+@dataclass
+class SampleState:
+    index: int
+    req_id: str
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    changed: bool = False
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    user_wants_logprobs: bool
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    stop_hold_back: int = 0
+    last_token_time: float | None = None
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_finish: list[str]  # sample request ids that matched a stop string
+    iteration_stats: IterationStats
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.sample_owner: dict[str, tuple[RequestState, SampleState]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, user_wants_logprobs: bool, arrival_time: float) -> list[str]:
+        """Registers a request; returns the sample request ids the engine must schedule."""
+        num = params.num_samples
+        samples = []
+        for i in range(num):
+            detok = None
+            if params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                               params.spaces_between_special_tokens)
+            samples.append(SampleState(
+                index=i, req_id=child_request_id(request_id, i, num), detokenizer=detok,
+                logprobs=[] if params.logprobs is not None and user_wants_logprobs else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None))
+        state = RequestState(
+            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+            user_wants_logprobs=user_wants_logprobs, samples=samples,
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            stop_hold_back=max((len(s) for s in params.stop or ()), default=1) - 1
+            if not params.include_stop_str_in_output else 0,
+        )
+        self.requests[request_id] = state
+        for s in samples:
+            self.sample_owner[s.req_id] = (state, s)
+        return [s.req_id for s in samples]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        return [s.req_id for s in state.samples] if state else []
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drops a request (client gone or aborted); returns its final output with finish_reason 'abort'."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for s in state.samples:
+            self.sample_owner.pop(s.req_id, None)
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+                s.changed = True
+        state.num_finished = len(state.samples)
+        return self._make_output(state, force_all=False)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        outs = []
+        for request_id in list(self.requests):
+            out = self.abort_request(request_id)
+            if out is not None:
+                for c in out.outputs:
+                    if c.finish_reason == "abort":
+                        c.finish_reason = "error"
+                out.extra["error"] = message
+                outs.append(out)
+        return outs
+
+    # -- the per-step loop ------------------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> ProcessedOutputs:
+        now = time.time() if now is None else now
+        stats = IterationStats()
+        touched: dict[str, RequestState] = {}
+        to_finish: list[str] = []
+        for out in outputs:
+            owner = self.sample_owner.get(out.req_id)
+            if owner is None:
+                continue  # aborted meanwhile
+            state, sample = owner
+            if sample.finish_reason is not None:
+                continue  # stopped by a stop string last step; this token was computed speculatively
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
+                state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+            if out.new_token_ids:
+                self._record_token_timing(state, stats, now, len(out.new_token_ids), out.num_cached_tokens)
+                self._append_tokens(state, sample, out)
+                if sample.finish_reason is None and state.params.stop and sample.detokenizer is not None:
+                    if self._check_stop_strings(state, sample):
+                        to_finish.append(sample.req_id)
+            if sample.finish_reason is None and out.finish_reason is not None:
+                sample.finish_reason = out.finish_reason
+                sample.stop_reason = out.stop_reason
+            if sample.finish_reason is not None:
+                state.num_finished += 1
+                self.sample_owner.pop(sample.req_id, None)
+            sample.changed = True
+            touched[state.request_id] = state
+
+        request_outputs = []
+        for state in touched.values():
+            out = self._make_output(state, force_all=False)
+            if out is not None:
+                request_outputs.append(out)
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+                state.metrics.finished_time = now
+                stats.finished_requests.append(self._finished_stats(state, now))
+        return ProcessedOutputs(request_outputs, to_finish, stats)
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _record_token_timing(self, state: RequestState, stats: IterationStats, now: float, num_new: int,
+                             num_cached: int) -> None:
+        m = state.metrics
+        stats.num_generation_tokens += num_new
+        if m.first_token_time is None:
+            m.first_token_time = now
+            m.num_cached_tokens = num_cached
+            state.num_cached_tokens = num_cached
+            stats.time_to_first_tokens.append(now - m.arrival_time)
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+        elif state.last_token_time is not None:
+            stats.inter_token_latencies.append(now - state.last_token_time)
+        state.last_token_time = now
+        m.last_token_time = now
+
+    def _logprob_dicts(self, entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        texts = decode_token_texts(self.tokenizer, [t for e in entries for t in e.token_ids]) \
+            if self.tokenizer is not None else None
+        result, k = [], 0
+        for e in entries:
+            d: dict[int, Logprob] = {}
+            for tok, lp, rank in zip(e.token_ids, e.logprobs, e.ranks):
+                if tok not in d:
+                    d[tok] = Logprob(logprob=lp, rank=rank, decoded_token=texts[k] if texts else None)
+                k += 1
+            result.append(d)
+        return result
+
+    def _append_tokens(self, state: RequestState, sample: SampleState, out: EngineCoreOutput) -> None:
+        sample.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            if sample.cumulative_logprob is not None:
+                sample.cumulative_logprob += sum(e.logprobs[0] for e in out.new_logprobs)
+            if sample.logprobs is not None:
+                sample.logprobs.extend(self._logprob_dicts(out.new_logprobs))
+        if sample.detokenizer is not None:
+            sample.detokenizer.update(out.new_token_ids)
+            sample.text = sample.detokenizer.output_text
+
+    def _check_stop_strings(self, state: RequestState, sample: SampleState) -> bool:
+        params = state.params
+        if len(sample.token_ids) < params.min_tokens:
+            return False
+        new_chars = len(sample.text) - sample.num_sent_chars
+        hit = check_stop_strings(sample.text, max(new_chars, 0) + state.stop_hold_back, params.stop,
+                                 params.include_stop_str_in_output)
+        if hit is None:
+            return False
+        stop_str, cut = hit
+        sample.text = sample.text[:cut]
+        sample.finish_reason, sample.stop_reason = "stop", stop_str
+        return True
+
+    def _completion(self, state: RequestState, s: SampleState, delta: bool) -> CompletionOutput:
+        finished = s.finish_reason is not None
+        text_end = len(s.text) if finished else max(len(s.text) - state.stop_hold_back, s.num_sent_chars) \
+            if state.params.stop else len(s.text)
+        if delta:
+            text = s.text[s.num_sent_chars:text_end]
+            token_ids = s.token_ids[s.num_sent_tokens:]
+            logprobs = s.logprobs[s.num_sent_tokens:] if s.logprobs is not None else None
+        else:
+            text, token_ids = s.text[:text_end], list(s.token_ids)
+            logprobs = list(s.logprobs) if s.logprobs is not None else None
+        s.num_sent_chars, s.num_sent_tokens = text_end, len(s.token_ids)
+        return CompletionOutput(index=s.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=s.cumulative_logprob if state.user_wants_logprobs else None,
+                                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+    def _make_output(self, state: RequestState, force_all: bool) -> RequestOutput | None:
+        params = state.params
+        kind = params.output_kind
+        finished = state.finished
+        if params.num_samples > params.n:
+            # best_of: only the n best (by cumulative logprob) are returned, once, at the end.
+            if not finished:
+                return None
+            ranked = sorted(state.samples, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[: params.n]
+            completions = []
+            for i, s in enumerate(ranked):
+                c = self._completion(state, s, delta=False)
+                c.index = i
+                completions.append(c)
+        elif kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        elif kind == RequestOutputKind.DELTA:
+            completions = [self._completion(state, s, delta=True) for s in state.samples if s.changed or force_all]
+        else:
+            completions = [self._completion(state, s, delta=False) for s in state.samples]
+        for s in state.samples:
+            s.changed = False
+        prompt_logprobs = state.prompt_logprobs
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished, metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens)
+
+    def _finished_stats(self, state: RequestState, now: float) -> FinishedRequestStats:
+        m = state.metrics
+        first = m.first_token_time or now
+        scheduled = m.first_scheduled_time or m.arrival_time
+        num_gen = sum(len(s.token_ids) for s in state.samples)
+        decode_time = max(now - first, 0.0)
+        reasons = [s.finish_reason for s in state.samples]
+        return FinishedRequestStats(
+            finish_reason=reasons[0] or "abort",
+            e2e_latency=now - m.arrival_time,
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=num_gen,
+            max_tokens_param=state.params.max_tokens,
+            n=state.params.n,
+            queue_time=max(scheduled - m.arrival_time, 0.0),
+            prefill_time=max(first - scheduled, 0.0),
+            decode_time=decode_time,
+            inference_time=max(now - scheduled, 0.0),
+            mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
+        )

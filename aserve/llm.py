@@ -1,0 +1,124 @@
+"""The offline API: `LLM(model=..., **engine_args).generate(prompts, params)` like vLLM's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aserve.config import EngineArgs
+from aserve.engine.llm_engine import LLMEngine
+from aserve.outputs import RequestOutput
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An offline engine: a tokenizer, the model on one device, and a paged KV cache.
+
+    `model=""` (the default) serves the bundled SmolLM2-135M-Instruct. Every other keyword is an
+    engine argument with vLLM's name (see `aserve.config.EngineArgs`).
+    """
+
+    def __init__(self, model: str = "", **engine_args: Any):
+        runner_kwargs = engine_args.pop("_runner_kwargs", {})
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(args, **runner_kwargs)
+        self.llm_engine = self.engine  # vLLM's attribute name
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    # -- generate ---------------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in the prompts' order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        """
+        items = self._normalize_prompts(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError(f"sampling_params: got {len(params_list)} for {len(items)} prompts")
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority: got {len(priority)} values for {len(items)} prompts")
+        ids = []
+        for i, ((text, token_ids), params) in enumerate(zip(items, params_list)):
+            request_id = self.engine.next_request_id()
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
+                                    priority=priority[i] if priority else 0)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Applies the chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- internals --------------------------------------------------------------------------------
+    @staticmethod
+    def _normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None]]:
+        if prompt_token_ids is not None:
+            return [(None, list(p)) for p in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("prompts: either prompts or prompt_token_ids is required")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = []
+        for p in prompts:
+            if isinstance(p, str):
+                items.append((p, None))
+            elif isinstance(p, dict):
+                items.append((p.get("prompt"), p.get("prompt_token_ids")))
+            elif isinstance(p, (list, tuple)):
+                items.append((None, list(p)))
+            else:
+                raise TypeError(f"prompts: unsupported prompt type {type(p).__name__}")
+        return items
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        start, num_out = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix_str(f"output {num_out / (time.perf_counter() - start):.1f} tok/s")
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,147 @@
+"""Per-request runner state and the step's flat model inputs (SchedulerOutput -> tensors).
+
+The runner keeps a `CachedRequestState` per live request (its own copy of token ids, block table,
+sampling row). `build_model_inputs` turns one step's schedule into packed tensors with decode
+sequences first, built with numpy in a handful of vector ops (no per-token Python).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from aserve.model.attention.base import AttentionMetadata
+from aserve.runner.sampler import RowSamplingState
+from aserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    row: RowSamplingState
+    token_ids: list[int] = field(default_factory=list)  # prompt + outputs (appended as we sample)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    req_ids: list[str]  # batch order (decodes first)
+    num_scheduled: list[int]  # per sequence, batch order
+    sample_req_ids: list[str]  # requests that sample, in batch order
+    logits_indices: list[int]  # flat index of each sampling request's last token
+    # prompt logprobs: req_id -> (flat start index, count, first target position)
+    prompt_logprob_spans: dict[str, tuple[int, int, int]]
+
+
+def build_model_inputs(
+    states: dict[str, CachedRequestState],
+    scheduled_req_ids: list[str],
+    num_scheduled_tokens: list[int],
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    pad_to_num_seqs: int | None = None,
+) -> ModelInputs:
+    """Pack one step. `pad_to_num_seqs` pads a decode-only batch to a fixed size (graphs / static shapes):
+    padded sequences write nowhere (slot -1), read the reserved null block 0 and are never sampled."""
+    order = sorted(range(len(scheduled_req_ids)), key=lambda i: num_scheduled_tokens[i] != 1)
+    req_ids = [scheduled_req_ids[i] for i in order]
+    counts = np.fromiter((num_scheduled_tokens[i] for i in order), dtype=np.int64, count=len(order))
+    num_seqs = len(req_ids)
+    seq_states = [states[r] for r in req_ids]
+    starts = np.fromiter((s.num_computed_tokens for s in seq_states), dtype=np.int64, count=num_seqs)
+    seq_lens = starts + counts
+    num_decodes = int(np.count_nonzero(counts == 1))  # sorted: the decodes are the leading run
+    total = int(counts.sum())
+
+    # Token ids and positions: decodes take one token each; prefills take a slice.
+    if num_decodes == num_seqs:
+        input_ids = np.fromiter((s.token_ids[int(p)] for s, p in zip(seq_states, starts)), dtype=np.int64,
+                                count=num_seqs)
+        positions = starts.copy()
+    else:
+        input_ids = np.concatenate([np.asarray(s.token_ids[int(a):int(b)], dtype=np.int64)
+                                    for s, a, b in zip(seq_states, starts, seq_lens)])
+        cu = np.concatenate(([0], np.cumsum(counts)))
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, counts)
+
+    max_blocks = max((len(s.block_ids) for s in seq_states), default=1)
+    block_table = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int32)
+    for i, s in enumerate(seq_states):
+        block_table[i, : len(s.block_ids)] = s.block_ids
+    seq_index = np.repeat(np.arange(num_seqs), counts)
+    slot_mapping = block_table[seq_index, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start_loc[1:])
+
+    if pad_to_num_seqs is not None and pad_to_num_seqs > num_seqs:
+        assert num_decodes == num_seqs, "only decode-only batches are padded"
+        pad = pad_to_num_seqs - num_seqs
+        input_ids = np.concatenate((input_ids, np.zeros(pad, dtype=np.int64)))
+        positions = np.concatenate((positions, np.zeros(pad, dtype=np.int64)))
+        slot_mapping = np.concatenate((slot_mapping, np.full(pad, -1, dtype=np.int64)))
+        block_table = np.concatenate((block_table, np.zeros((pad, block_table.shape[1]), dtype=np.int32)))
+        seq_lens = np.concatenate((seq_lens, np.ones(pad, dtype=np.int64)))
+        query_start_loc = np.arange(pad_to_num_seqs + 1, dtype=np.int32)
+        counts = np.concatenate((counts, np.ones(pad, dtype=np.int64)))
+        num_seqs = num_decodes = pad_to_num_seqs
+        total = pad_to_num_seqs
+
+    seq_lens32 = seq_lens.astype(np.int32)
+    meta = AttentionMetadata(
+        num_tokens=total,
+        num_seqs=num_seqs,
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
+        query_start_loc=torch.from_numpy(query_start_loc).to(device, non_blocking=True),
+        seq_lens=torch.from_numpy(seq_lens32).to(device, non_blocking=True),
+        block_tables=torch.from_numpy(block_table).to(device, non_blocking=True),
+        max_query_len=int(counts.max()) if num_seqs else 0,
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        query_start_loc_cpu=query_start_loc.tolist(),
+        seq_lens_cpu=seq_lens32.tolist(),
+        sliding_window=sliding_window,
+    )
+
+    sample_req_ids: list[str] = []
+    logits_indices: list[int] = []
+    spans: dict[str, tuple[int, int, int]] = {}
+    ends = query_start_loc[1:]
+    for i, s in enumerate(seq_states):
+        end = int(seq_lens[i])
+        if end >= s.num_tokens:  # every token computed after this step -> sample
+            sample_req_ids.append(s.req_id)
+            logits_indices.append(int(ends[i]) - 1)
+        if s.params.prompt_logprobs is not None:
+            start = int(starts[i])
+            num_prompt = len(s.prompt_token_ids)
+            # Logits at position p score prompt token p + 1; only positions < num_prompt - 1 have a target.
+            last = min(end, num_prompt - 1)
+            if last > start:
+                spans[s.req_id] = (int(query_start_loc[i]), last - start, start + 1)
+
+    return ModelInputs(
+        input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
+        positions=torch.from_numpy(positions).to(device, non_blocking=True),
+        meta=meta,
+        req_ids=req_ids,
+        num_scheduled=counts.tolist(),
+        sample_req_ids=sample_req_ids,
+        logits_indices=logits_indices,
+        prompt_logprob_spans=spans,
+    )

@@ -1,0 +1,250 @@
+"""The model runner: owns the model, the KV cache tensors and the sampler.
+
+`load_model()` -> `initialize_kv_cache()` (sizes the pool: CPU budget, GPU profiling, or the
+override) -> `capture_graphs()` (CUDA only) -> `execute(SchedulerOutput) -> RunnerOutput` per step.
+It never decides policy: it runs exactly what the scheduler emitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from aserve.config import GiB, AserveConfig
+from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
+from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
+from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
+from aserve.runner.sampler import RowSamplingState, Sampler, compute_prompt_logprobs, make_generator
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def make_attention_backend(name: str):
+    if name == "triton":
+        from aserve.model.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from aserve.model.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+class ModelRunner:
+    def __init__(self, config: AserveConfig, force_static_decode: bool = False):
+        """`force_static_decode` pads decode batches to capture sizes even without graphs (tests)."""
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.dtype = _TORCH_DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.arch = config.model.arch
+        self.backend = make_attention_backend(config.runner.attention_backend)
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.cpu_kv_caches: list[torch.Tensor] = []
+        self.states: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler(self.arch.vocab_size, self.device, seed=config.model.seed)
+        self.graph_runner: CudaGraphRunner | None = None
+        self.force_static_decode = force_static_decode
+        self.static_sizes = capture_sizes(config.scheduler.max_num_seqs)
+        self.max_blocks_per_seq = math.ceil(config.model.max_model_len / self.block_size)
+        torch.manual_seed(config.model.seed)
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from aserve.model.loader import load_model
+
+        start = time.perf_counter()
+        self.model = load_model(self.config, self.backend, self.device)
+        logger.info("Loaded %s (%s, %s) in %.1fs", self.arch.architecture, self.config.model.dtype,
+                    self.device, time.perf_counter() - start)
+
+    def _kv_dtype(self) -> torch.dtype:
+        from aserve.model.loader import kv_cache_dtype_for
+
+        return kv_cache_dtype_for(self.config)
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.empty((), dtype=self._kv_dtype()).element_size()
+        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def _profile_num_blocks(self, per_block: int) -> int:
+        """CUDA: run the largest batch once, then give what `gpu_memory_utilization` leaves to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        dummy = ModelInputsForProfile.make(n, self.block_size, self.device)
+        with torch.inference_mode():
+            # No KV cache is bound yet: bind a one-block scratch cache so the forward can run.
+            scratch = [torch.zeros((2, 1 + math.ceil(n / self.block_size), self.block_size,
+                                    self.arch.num_key_value_heads, self.arch.head_dim),
+                                   dtype=self._kv_dtype(), device=self.device)
+                       for _ in range(self.arch.num_hidden_layers)]
+            self.model.bind_kv_caches(scratch)
+            hidden = self.model(dummy.input_ids, dummy.positions, dummy.meta)
+            self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs):])
+            torch.cuda.synchronize()
+            del scratch, hidden
+        peak = torch.cuda.max_memory_allocated()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * self.config.cache.gpu_memory_utilization - peak
+        logger.info("Memory profile: total %.2f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB",
+                    total / GiB, peak / GiB, budget / GiB)
+        if budget <= per_block * 2:
+            raise RuntimeError("No memory left for the KV cache: raise --gpu-memory-utilization or lower "
+                               "--max-num-batched-tokens / --max-model-len")
+        return int(budget // per_block)
+
+    def initialize_kv_cache(self) -> RunnerInfo:
+        per_block = self.kv_bytes_per_block()
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_num_blocks(per_block)
+        else:
+            num_blocks = int(cache.cpu_kvcache_space_gb * GiB // per_block)
+        num_blocks = max(num_blocks, 2)  # block 0 is the reserved null block
+        num_cpu_blocks = 0
+        if self.config.scheduler.preemption_mode == "swap":
+            num_cpu_blocks = int(cache.swap_space_gb * GiB // per_block)
+        a = self.arch
+        shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        dtype = self._kv_dtype()
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(a.num_hidden_layers)]
+        if num_cpu_blocks:
+            cpu_shape = (2, num_cpu_blocks) + shape[2:]
+            pin = self.device.type == "cuda"
+            self.cpu_kv_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)
+                                  for _ in range(a.num_hidden_layers)]
+        self.model.bind_kv_caches(self.kv_caches)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)%s", num_blocks - 1,
+                    self.block_size, (num_blocks - 1) * self.block_size, num_blocks * per_block / GiB, dtype,
+                    f"; {num_cpu_blocks} CPU swap blocks" if num_cpu_blocks else "")
+        return RunnerInfo(num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_size=self.block_size,
+                          kv_bytes_per_block=per_block, device=self.device.type,
+                          attention_backend=self.backend.name)
+
+    def capture_graphs(self) -> None:
+        if self.device.type != "cuda" or self.config.runner.enforce_eager:
+            return
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.static_sizes, self.max_blocks_per_seq,
+            self.config.runner.max_seq_len_to_capture, self.device, self.arch.sliding_window)
+        seconds = self.graph_runner.capture()
+        logger.info("Captured CUDA graphs for decode batch sizes %s in %.1fs", self.static_sizes, seconds)
+
+    # -- per step ----------------------------------------------------------------------------------
+    def _add_request(self, new: NewRequestData) -> None:
+        params = new.sampling_params
+        outputs = list(new.output_token_ids)
+        generator = make_generator(params.seed, self.device) if params.seed is not None else None
+        if generator is not None and outputs:
+            # Resumed after preemption: advance the stream so the seed keeps its sequence.
+            generator = make_generator(params.seed + len(outputs), self.device)
+        row = RowSamplingState(params=params, prompt_token_ids=new.prompt_token_ids, output_token_ids=outputs,
+                               generator=generator,
+                               stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens)
+        self.states[new.req_id] = CachedRequestState(
+            req_id=new.req_id, prompt_token_ids=new.prompt_token_ids, output_token_ids=outputs, params=params,
+            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, row=row,
+            token_ids=list(new.prompt_token_ids) + outputs)
+
+    def _update_request(self, cached: CachedRequestData) -> None:
+        state = self.states[cached.req_id]
+        state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+
+    def _apply_block_ops(self, so: SchedulerOutput) -> None:
+        for pairs, src_caches, dst_caches in ((so.blocks_to_swap_out, self.kv_caches, self.cpu_kv_caches),
+                                              (so.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches),
+                                              (so.blocks_to_copy, self.kv_caches, self.kv_caches)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+            for s_cache, d_cache in zip(src_caches, dst_caches):
+                d_cache.index_copy_(1, dst.to(d_cache.device), s_cache.index_select(1, src.to(s_cache.device))
+                                    .to(d_cache.device))
+
+    def _prepare(self, so: SchedulerOutput) -> ModelInputs:
+        static = self.graph_runner is not None or self.force_static_decode
+        pad_to = None
+        if static and all(n == 1 for n in so.num_scheduled_tokens):
+            pad_to = padded_size(self.static_sizes, len(so.scheduled_req_ids))
+        inputs = build_model_inputs(self.states, so.scheduled_req_ids, so.num_scheduled_tokens, self.block_size,
+                                    self.device, self.arch.sliding_window, pad_to_num_seqs=pad_to)
+        return inputs
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        meta = inputs.meta
+        g = self.graph_runner
+        if (g is not None and meta.num_decodes == meta.num_seqs and meta.num_seqs in g.graphs
+                and g.can_run(meta.num_seqs, meta.max_seq_len, meta.block_tables.shape[1])):
+            return g.run(inputs.input_ids, inputs.positions, meta)
+        return self.model(inputs.input_ids, inputs.positions, meta)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+        self._apply_block_ops(so)
+        for new in so.new_requests:
+            self._add_request(new)
+        for cached in so.cached_requests:
+            self._update_request(cached)
+        if so.is_empty:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+
+        inputs = self._prepare(so)
+        hidden = self._forward(inputs)
+
+        prompt_logprobs = {}
+        for req_id, (start, count, first_target) in inputs.prompt_logprob_spans.items():
+            state = self.states[req_id]
+            logits = self.model.compute_logits(hidden[start:start + count])
+            targets = torch.tensor(state.prompt_token_ids[first_target:first_target + count], device=self.device)
+            prompt_logprobs[req_id] = compute_prompt_logprobs(logits, targets, state.params.prompt_logprobs)
+
+        if not inputs.sample_req_ids:
+            result_ids, result_logprobs = [], []
+        else:
+            idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            rows = [self.states[r].row for r in inputs.sample_req_ids]
+            result = self.sampler.sample(logits, rows)
+            result_ids, result_logprobs = result.sampled_token_ids, result.logprobs
+
+        for req_id, num in zip(inputs.req_ids, inputs.num_scheduled):
+            self.states[req_id].num_computed_tokens += num
+        for req_id, token in zip(inputs.sample_req_ids, result_ids):
+            state = self.states[req_id]
+            state.output_token_ids.append(token)
+            state.token_ids.append(token)
+        return RunnerOutput(req_ids=inputs.sample_req_ids, sampled_token_ids=result_ids, logprobs=result_logprobs,
+                            prompt_logprobs=prompt_logprobs)
+
+
+class ModelInputsForProfile:
+    """A single-sequence prefill of `n` tokens used only by the memory-profiling pass."""
+
+    @staticmethod
+    def make(n: int, block_size: int, device: torch.device) -> ModelInputs:
+        from aserve.model.attention.base import AttentionMetadata
+
+        blocks = math.ceil(n / block_size)
+        meta = AttentionMetadata(
+            num_tokens=n, num_seqs=1, num_decodes=0, num_decode_tokens=0,
+            slot_mapping=torch.arange(block_size, block_size + n, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            block_tables=torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None],
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+        ids = torch.zeros(n, dtype=torch.int64, device=device)
+        pos = torch.arange(n, dtype=torch.int64, device=device)
+        return ModelInputs(ids, pos, meta, [], [], [], [], {})

@@ -1,0 +1,230 @@
+"""Prometheus metrics and the periodic stats log line, both fed by the engine's StatLogger callback.
+
+Each app owns its `CollectorRegistry` (no global prometheus state), so several apps can live in
+one process (tests). Metric names carry the `aserve:` prefix and a `model_name` label, and cover
+what vLLM exports under `vllm:`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import anyio
+from anyio.abc import TaskStatus
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from aserve.engine.stats import IterationStats, SchedulerStats
+
+logger = logging.getLogger("aserve.server.stats")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """1-2-5 buckets (1, 2, 5, 10, 20, 50, ...) up to `max_value`."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+class PrometheusStatLogger:
+    """A StatLogger that keeps aserve's Prometheus metrics in its own registry."""
+
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        tok_buckets = token_buckets(max(max_model_len, 1))
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"aserve:{name}", doc, labels + list(extra), registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"aserve:{name}", doc, labels, registry=reg, multiprocess_mode="sum")
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"aserve:{name}", doc, labels, buckets=buckets, registry=reg)
+
+        # gauges (scheduler state)
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to CPU.")
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV-cache usage, 0..1 (1 = full); vLLM's name.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = full).")
+        # counters
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Requests that finished (stop or length).",
+                                       ("finished_reason",))
+        self.request_failure = counter("request_failure", "Requests that ended without finishing: aborted, "
+                                       "engine errors, or rejected by the server.", ("reason",))
+        # per-request histograms
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", tok_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
+                                                   tok_buckets)
+        self.request_params_n = histogram("request_params_n", "The n parameter of requests.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens parameter.",
+                                                   tok_buckets)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
+        self.time_per_output_token = histogram("time_per_output_token_seconds",
+                                               "Time between tokens (vLLM's older name for inter-token latency).",
+                                               _ITL_BUCKETS)
+        self.request_time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                                       "Mean time per output token of each request.", _ITL_BUCKETS)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    _LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time scheduled (prefill + decode).",
+                                        _LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt + generated) per step.",
+                                          token_buckets(1 << 16))
+
+        self._last_queries = 0
+        self._last_hits = 0
+        self._last_preemptions = 0
+
+    def _label(self, metric: Any, **extra: str) -> Any:
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        label = self._label
+        s = scheduler_stats
+        label(self.num_requests_running).set(s.num_running_reqs)
+        label(self.num_requests_waiting).set(s.num_waiting_reqs)
+        label(self.num_requests_swapped).set(s.num_swapped_reqs)
+        label(self.gpu_cache_usage).set(s.kv_cache_usage)
+        label(self.kv_cache_usage).set(s.kv_cache_usage)
+        # The scheduler reports cumulative counts; a counter moves by the difference (never backwards).
+        if s.prefix_cache_queries > self._last_queries:
+            label(self.prefix_cache_queries).inc(s.prefix_cache_queries - self._last_queries)
+            self._last_queries = s.prefix_cache_queries
+        if s.prefix_cache_hits > self._last_hits:
+            label(self.prefix_cache_hits).inc(s.prefix_cache_hits - self._last_hits)
+            self._last_hits = s.prefix_cache_hits
+        if s.num_preemptions > self._last_preemptions:
+            label(self.num_preemptions).inc(s.num_preemptions - self._last_preemptions)
+            self._last_preemptions = s.num_preemptions
+
+        it = iteration_stats
+        if it.num_prompt_tokens:
+            label(self.prompt_tokens).inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            label(self.generation_tokens).inc(it.num_generation_tokens)
+        if it.num_prompt_tokens or it.num_generation_tokens:
+            label(self.iteration_tokens).observe(it.num_prompt_tokens + it.num_generation_tokens)
+        if it.time_to_first_tokens:
+            ttft = label(self.time_to_first_token)
+            for value in it.time_to_first_tokens:
+                ttft.observe(value)
+        if it.inter_token_latencies:
+            itl, tpot = label(self.inter_token_latency), label(self.time_per_output_token)
+            for value in it.inter_token_latencies:
+                itl.observe(value)
+                tpot.observe(value)
+        for req in it.finished_requests:
+            self._record_finished(req)
+
+    def _record_finished(self, req: Any) -> None:
+        label = self._label
+        if req.finish_reason in ("stop", "length"):
+            label(self.request_success, finished_reason=req.finish_reason).inc()
+        else:
+            label(self.request_failure, reason=req.finish_reason).inc()
+        label(self.request_prompt_tokens).observe(req.num_prompt_tokens)
+        label(self.request_generation_tokens).observe(req.num_generation_tokens)
+        label(self.request_params_n).observe(req.n)
+        if req.max_tokens_param is not None:
+            label(self.request_params_max_tokens).observe(req.max_tokens_param)
+        label(self.e2e_latency).observe(req.e2e_latency)
+        label(self.queue_time).observe(req.queue_time)
+        label(self.inference_time).observe(req.inference_time)
+        label(self.prefill_time).observe(req.prefill_time)
+        label(self.decode_time).observe(req.decode_time)
+        if req.num_generation_tokens > 1:
+            label(self.request_time_per_output_token).observe(req.mean_time_per_output_token)
+
+    def record_rejected(self, reason: str) -> None:
+        """A request the server refused before it reached the engine (bad input, draining, ...)."""
+        self._label(self.request_failure, reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """A StatLogger that sums per-step stats and logs one throughput/state line per interval."""
+
+    def __init__(self, interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] | None = None):
+        self.interval = interval
+        self._clock = clock
+        self._log = log or logger.info
+        self._last_time = clock()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._latest = SchedulerStats()
+        self._queries_at_last_log = 0
+        self._hits_at_last_log = 0
+        self._changed = False
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self._prompt_tokens += iteration_stats.num_prompt_tokens
+        self._generation_tokens += iteration_stats.num_generation_tokens
+        self._latest = scheduler_stats
+        self._changed = True
+
+    def format_line(self) -> str | None:
+        """The line for the interval since the last call (None if the engine was idle); resets the sums."""
+        now = self._clock()
+        elapsed = max(now - self._last_time, 1e-9)
+        s = self._latest
+        busy = self._changed and (self._prompt_tokens or self._generation_tokens or s.num_running_reqs
+                                  or s.num_waiting_reqs)
+        queries = s.prefix_cache_queries - self._queries_at_last_log
+        hits = s.prefix_cache_hits - self._hits_at_last_log
+        line = None
+        if busy:
+            hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
+            line = (f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
+                    f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
+                    f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+                    f"Swapped: {s.num_swapped_reqs} reqs, KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
+                    f"Prefix cache hit rate: {hit_rate:.1f}%")
+        self._last_time = now
+        self._prompt_tokens = self._generation_tokens = 0
+        self._queries_at_last_log, self._hits_at_last_log = s.prefix_cache_queries, s.prefix_cache_hits
+        self._changed = bool(s.num_running_reqs or s.num_waiting_reqs)
+        return line
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Log every `interval` seconds until cancelled."""
+        task_status.started()
+        while True:
+            await anyio.sleep(self.interval)
+            line = self.format_line()
+            if line is not None:
+                self._log(line)

@@ -1,0 +1,259 @@
+"""OpenAI wire types as msgspec Structs (OpenAI field names), plus vLLM's extra sampling fields.
+
+Requests forbid unknown fields, so a misspelt or unsupported option is a 400 naming it rather than
+silently ignored. Response fields that OpenAI omits are `UNSET` (msgspec leaves them out).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ContentPart(Struct):
+    """One part of a message's content; only `type == "text"` is served (others are a clear 400)."""
+
+    type: str
+    text: str | None = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(Struct):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by chat and completions requests (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    echo: bool | None = False
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    # OpenAI fields this server declares so that it can refuse them clearly when set.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    # chat templating (vLLM)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
+    # str | list[str] | list[int] | list[list[int]]; msgspec cannot union several array types,
+    # so the list forms are checked by `completions.normalize_prompts`.
+    prompt: str | list[Any]
+    best_of: int | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+    add_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Either `prompt` or `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatTopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatLogprobEntry]
+
+
+class ChatResponseMessage(Struct):
+    role: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None | UnsetType = UNSET
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None | UnsetType = UNSET
+    prompt_logprobs: list[dict[str, float] | None] | UnsetType = UNSET
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    root: str
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "aserve"
+    parent: str | None = None
+    permission: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+encoder = msgspec.json.Encoder()
+"""One shared, stateless encoder (msgspec encoders are safe to reuse)."""
