@@ -103,6 +103,13 @@ class PrometheusStatLogger:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt + generated) per step.",
                                           token_buckets(1 << 16))
 
+        # Expose every series from the start (at zero), so a scrape before the first request sees them.
+        for metric in vars(self).values():
+            if isinstance(metric, (Counter, Gauge, Histogram)) and metric._labelnames == ("model_name",):
+                metric.labels(model_name=model_name)
+        for reason in ("stop", "length"):
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
+
         self._last_queries = 0
         self._last_hits = 0
         self._last_preemptions = 0

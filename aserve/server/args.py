@@ -1,0 +1,227 @@
+"""`aserve` command-line arguments: engine flags generated from `EngineArgs`, plus server flags.
+
+Engine flags are generated from the `EngineArgs` dataclass fields (vLLM spellings: `max_model_len`
+-> `--max-model-len`), so they never drift from the engine's arguments. Booleans that default to
+True get a `--no-...` form; dict-valued fields take JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from aserve.config import EngineArgs
+
+_ENGINE_HELP = {
+    "model": "model name, Hugging Face folder or .gguf file; empty means the bundled SmolLM2-135M-Instruct",
+    "served_model_name": "the model name(s) the API answers to (default: --model)",
+    "max_model_len": "context length (default: from the model config)",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "max_num_seqs": "maximum requests in one batch",
+    "max_num_batched_tokens": "token budget per engine step",
+    "dtype": "weight/activation dtype: auto, half, float16, bfloat16, float, float32",
+    "kv_cache_dtype": "KV-cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2",
+    "num_gpu_blocks_override": "use this many KV blocks instead of profiling",
+    "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process)",
+    "disable_async_output_proc": "do not overlap output processing with the next step",
+    "enforce_eager": "never capture CUDA graphs",
+    "hf_overrides": "JSON object merged into the model's config.json",
+    "rope_scaling": "JSON object, e.g. '{\"rope_type\": \"linear\", \"factor\": 2.0}'",
+    "disable_log_stats": "no periodic stats log line",
+    "tensor_parallel_size": "tensor-parallel degree (only 1 is implemented)",
+    "pipeline_parallel_size": "pipeline-parallel degree (only 1 is implemented)",
+}
+_SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything the HTTP side needs; engine arguments live in `EngineArgs`."""
+
+    host: str | None = None  # None: all interfaces
+    port: int = 8000
+    api_key: str | None = None
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    uvicorn_log_level: str = "info"
+    log_level: str = "info"
+    disable_log_requests: bool = False
+    max_log_len: int | None = None
+    disable_log_stats: bool = False
+    stats_log_interval: float = 5.0
+    shutdown_grace_period: float = 30.0
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _json_object(flag: str):
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON object, got {type(value).__name__}")
+        return value
+
+    parse.__name__ = "JSON object"
+    return parse
+
+
+def _json_str_list(flag: str):
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({exc})") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag}: expected a JSON list of strings, e.g. '[\"*\"]'")
+        return tuple(value)
+
+    parse.__name__ = "JSON list"
+    return parse
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field (except `extra`), typed from the field's annotation."""
+    group = parser.add_argument_group("engine arguments (aserve.config.EngineArgs)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag] + ([_SHORT_ALIASES[f.name]] if f.name in _SHORT_ALIASES else [])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = _ENGINE_HELP.get(f.name, f"engine argument {f.name}")
+        help_text += f" (default: {default!r})"
+        tp, optional = _unwrap_optional(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
+        if tp is bool:
+            if default is True or (optional and default is None):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["action"] = "store_true"
+        elif typing.get_origin(tp) is dict:
+            kwargs["type"] = _json_object(flag)
+        elif typing.get_args(tp) and list in {typing.get_origin(a) for a in typing.get_args(tp)}:
+            kwargs["nargs"] = "+"  # str | list[str]: one or more names
+        elif tp in (int, float, str):
+            kwargs["type"] = tp
+        else:
+            raise TypeError(f"EngineArgs.{f.name}: no command-line mapping for type {hints[f.name]!r}")
+        group.add_argument(*names, **kwargs)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server arguments")
+    g.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (also env ASERVE_API_KEY or VLLM_API_KEY)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template file or inline jinja template (overrides the tokenizer's)")
+    g.add_argument("--response-role", default="assistant", help="role of generated chat messages")
+    g.add_argument("--allowed-origins", type=_json_str_list("--allowed-origins"), default=("*",),
+                   help="CORS origins, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-methods", type=_json_str_list("--allowed-methods"), default=("*",),
+                   help="CORS methods, a JSON list (default: [\"*\"])")
+    g.add_argument("--allowed-headers", type=_json_str_list("--allowed-headers"), default=("*",),
+                   help="CORS headers, a JSON list (default: [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--root-path", default="", help="path prefix when served behind a path-based proxy")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key file")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (to verify clients)")
+    g.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS,
+                   help="log level of the HTTP server (hypercorn); vLLM's flag name")
+    g.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="log level of aserve")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="cut logged prompts (characters) and prompt token ids to this length")
+    g.add_argument("--stats-log-interval", type=float, default=5.0,
+                   help="seconds between stats log lines (default: 5)")
+    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM (default: 30)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aserve", description="OpenAI-compatible LLM server (aserve).",
+    )
+    add_engine_arguments(parser)
+    add_server_arguments(parser)
+    return parser
+
+
+def split_namespace(ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None
+                    ) -> tuple[EngineArgs, ServerArgs]:
+    """Split parsed flags into `EngineArgs` and `ServerArgs` (the API key may come from the environment)."""
+    environ = os.environ if environ is None else environ
+    values = vars(ns)
+    engine_names = EngineArgs.field_names()
+    engine_args = EngineArgs(**{k: v for k, v in values.items() if k in engine_names})
+    if isinstance(engine_args.served_model_name, list) and len(engine_args.served_model_name) == 1:
+        engine_args.served_model_name = engine_args.served_model_name[0]
+    server_names = {f.name for f in dataclasses.fields(ServerArgs)}
+    server_values = {k: v for k, v in values.items() if k in server_names}
+    server_values["disable_log_stats"] = engine_args.disable_log_stats
+    if not server_values.get("api_key"):
+        server_values["api_key"] = environ.get("ASERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        server_values[name] = tuple(server_values[name])
+    server_args = ServerArgs(**server_values)
+    validate_server_args(server_args)
+    return engine_args, server_args
+
+
+def validate_server_args(args: ServerArgs) -> None:
+    """Raise ValueError naming the flag for a bad combination."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: must be in [0, 65535], got {args.port}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len: must be >= 0, got {args.max_log_len}")
+    if args.shutdown_grace_period < 0:
+        raise ValueError(f"--shutdown-grace-period: must be >= 0, got {args.shutdown_grace_period}")
+    if args.stats_log_interval <= 0:
+        raise ValueError(f"--stats-log-interval: must be > 0, got {args.stats_log_interval}")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile must be given together")
+    if args.ssl_ca_certs and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path: must start with '/' and not end with '/', got {args.root_path!r}")
+
+
+def parse_args(argv: list[str] | None = None, environ: typing.Mapping[str, str] | None = None
+               ) -> tuple[EngineArgs, ServerArgs]:
+    parser = make_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return split_namespace(ns, environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

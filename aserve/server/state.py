@@ -1,0 +1,160 @@
+"""What the route handlers share: the engine client, the tokenizer, templates, metrics, settings.
+
+`EngineClient` spells out the part of `aserve.engine.async_engine.AsyncEngine` the server uses, so
+the server depends on that interface (and tests can hand in a fake) rather than on the engine's
+module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from importlib import metadata
+from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
+
+import anyio
+
+from aserve.config import ModelConfig
+from aserve.outputs import RequestOutput
+from aserve.sampling_params import SamplingParams, SamplingParamsError
+from aserve.server.args import ServerArgs
+from aserve.server.chat_template import ChatRenderer, resolve_chat_template
+from aserve.server.errors import APIError, from_sampling_error
+from aserve.server.metrics import PrometheusStatLogger
+
+logger = logging.getLogger("aserve.server")
+
+T = TypeVar("T")
+
+
+class EngineClient(Protocol):
+    """The AsyncEngine interface the server relies on."""
+
+    model_config: ModelConfig
+    tokenizer: Any
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def add_stat_logger(self, logger: Any) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    async def check_health(self) -> None: ...
+
+    async def run(self, *, task_status: Any = ...) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def get_scheduler_stats(self) -> Any: ...
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("aserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    args: ServerArgs
+    model_config: ModelConfig
+    tokenizer: Any
+    renderer: ChatRenderer
+    metrics: PrometheusStatLogger
+    system_fingerprint: str
+    version: str
+    draining: bool = False
+    _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, engine: EngineClient, args: ServerArgs) -> ServerState:
+        model_config = engine.model_config
+        tokenizer = engine.tokenizer
+        template = resolve_chat_template(tokenizer, args.chat_template)
+        if template is None:
+            logger.warning("no chat template: the tokenizer has none, --chat-template is not set and no bundled "
+                           "template fits; /v1/chat/completions will answer 400 until one is given")
+        else:
+            logger.info("chat template: %s", template.source)
+        version = package_version()
+        digest = hashlib.sha256(f"{version}|{model_config.model_path}|{model_config.dtype}".encode()).hexdigest()
+        return cls(
+            engine=engine,
+            args=args,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            renderer=ChatRenderer(tokenizer, template),
+            metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len),
+            system_fingerprint=f"fp_aserve_{digest[:10]}",
+            version=version,
+        )
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return self.model_config.served_model_names
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def check_model(self, requested: str | None) -> str:
+        """The model name to answer with; an unknown name is a 404."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise APIError(404, f"The model `{requested}` does not exist. Served models: "
+                           f"{list(self.served_model_names)}", param="model", code="model_not_found")
+        return requested
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run tokenizer/template work in a worker thread, one at a time (the tokenizer is shared)."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int, prompt_param: str) -> AsyncIterator[RequestOutput]:
+        """Hand a request to the engine; its validation errors become 400s naming the field."""
+        if not self.engine.is_healthy():
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        self.log_request(request_id, prompt, prompt_token_ids, params)
+        try:
+            return self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority)
+        except SamplingParamsError as exc:
+            raise from_sampling_error(exc) from None
+        except ValueError as exc:
+            text = str(exc)
+            param = "max_tokens" if "max_tokens" in text else prompt_param
+            raise APIError(400, text, param=param, code="invalid_value") from None
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request, shielded so it completes even inside a cancelled scope."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.engine.abort(request_id)
+            except Exception:  # the engine may be dead already; the request is gone either way
+                logger.exception("aborting request %s failed", request_id)
+
+    def log_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        if self.args.disable_log_requests:
+            return
+        limit = self.args.max_log_len
+        shown_prompt = prompt[:limit] if (prompt is not None and limit is not None) else prompt
+        shown_ids = prompt_token_ids[:limit] if limit is not None else prompt_token_ids
+        logger.info("Received request %s: prompt: %r, params: %r, prompt_token_ids: %s", request_id,
+                    shown_prompt, params, shown_ids)
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def get_state(request: Any) -> ServerState:
+    return request.app.state.aserve

@@ -1,0 +1,215 @@
+"""Pure-torch reference ops: the ground truth for the Triton kernels and the CPU attention backend.
+
+Every function here is exact (up to floating point) and batched: no per-token Python, no host
+syncs except where a shape must be known on the host (noted per function).
+
+KV cache layout (per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 keys,
+1 values. Token t of a sequence lives in block `block_table[t // block_size]` at offset
+`t % block_size`; its flat slot is `block_id * block_size + offset`. An fp8 cache stores
+`x / scale` and reads back `stored * scale`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in _FP8_DTYPES
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write key/value `[T, KVH, D]` into `kv_cache` at `slot_mapping` `[T]` (int64; -1 = skip), in place.
+
+    An fp8 cache stores `(x / scale)` cast to its dtype. Slots must be distinct (apart from -1).
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    if is_fp8(kv_cache.dtype):
+        key = (key.float() / k_scale).to(kv_cache.dtype)
+        value = (value.float() / v_scale).to(kv_cache.dtype)
+        # index_copy_ has no fp8 kernels everywhere; the bytes are what we store.
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    else:
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    # The common case (no skipped tokens) avoids a data-dependent boolean gather.
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    key_cache.index_copy_(0, slots, key)
+    value_cache.index_copy_(0, slots, value)
+
+
+def _read_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Dequantize a gathered (fp8) cache slice into `dtype`; a no-op for an unquantized cache."""
+    if is_fp8(cache.dtype):
+        out = cache.to(dtype)
+        return out * scale if scale != 1.0 else out
+    return cache if cache.dtype == dtype else cache.to(dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """`cache` [num_blocks, bs, KVH, D], `block_tables` [B, nb] -> [B, KVH, nb * bs, D] (contiguous)."""
+    num_seqs, num_blocks = block_tables.shape
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    gathered = cache.index_select(0, block_tables.reshape(-1).to(torch.int64))
+    gathered = gathered.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    return gathered.transpose(1, 2).contiguous()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """One query per sequence at position `seq_lens[b] - 1`, attending to its cached context.
+
+    q `[B, H, D]`, block_tables `[B, max_blocks]` int32, seq_lens `[B]` int32 (>= 1). GQA: H % KVH == 0.
+    Only the first `max_blocks` blocks are read, so callers should trim the table to the longest
+    sequence. Returns `[B, H, D]` in q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return q.new_empty(q.shape)
+    block_size = kv_cache.shape[2]
+    keys = _read_cache(_gather_blocks(kv_cache[0], block_tables), q.dtype, k_scale)
+    values = _read_cache(_gather_blocks(kv_cache[1], block_tables), q.dtype, v_scale)
+    max_len = block_tables.shape[1] * block_size
+    pos = torch.arange(max_len, device=q.device)
+    lens = seq_lens.to(torch.int64).unsqueeze(1)
+    mask = pos.unsqueeze(0) < lens  # [B, L]
+    if sliding_window is not None:
+        mask &= pos.unsqueeze(0) >= lens - sliding_window
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=num_heads != keys.shape[1],
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    query_start_loc_cpu: list[int] | None = None,
+    seq_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention for packed variable-length queries over the paged cache.
+
+    q `[T, H, D]`; sequence i owns `q[query_start_loc[i]:query_start_loc[i + 1]]`, which are the
+    last `q_len` positions of its `seq_lens[i]` context (earlier positions are already cached).
+    The host lists avoid device syncs; without them the tensors are copied to the host once.
+    Returns `[T, H, D]` in q's dtype.
+    """
+    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
+    num_heads = q.shape[1]
+    block_size = kv_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        table = block_tables[i, :num_blocks]
+        keys = _read_cache(_gather_blocks(kv_cache[0], table.unsqueeze(0)), q.dtype, k_scale)[..., :seq_len, :]
+        values = _read_cache(_gather_blocks(kv_cache[1], table.unsqueeze(0)), q.dtype, v_scale)[..., :seq_len, :]
+        query = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        gqa = num_heads != keys.shape[1]
+        if seq_len == q_len and (sliding_window is None or sliding_window >= seq_len):
+            res = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            mask = causal_mask(q_len, seq_len, sliding_window, q.device)
+            res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[q_start:q_end] = res[0].transpose(0, 1)
+    return out
+
+
+def causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean `[q_len, seq_len]`: query j (at position seq_len - q_len + j) may see key k."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`x * rsqrt(mean(x^2) + eps) * weight`, computed in fp32, returned in x's dtype.
+
+    With `residual`: `s = x + residual` (in x's dtype); returns `(rms_norm(s), s)`.
+    """
+    if residual is not None:
+        summed = x + residual
+        return rms_norm(summed, weight, eps), summed
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate the first `rot_dim` dims of q `[T, H, D]` and k `[T, KVH, D]` at `positions` `[T]`.
+
+    `cos_sin_cache` is `[max_pos, rot_dim]` = `cat(cos, sin)` over `rot_dim // 2` frequencies.
+    Neox style rotates the two halves; GPT-J style rotates interleaved (even, odd) pairs.
+    Returns new tensors in the inputs' dtypes.
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions.to(torch.int64))
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rot_dim // 2]
+    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    rot_dim = cos.shape[-1] * 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    if x_pass.shape[-1] == 0:
+        return rotated
+    return torch.cat((rotated, x_pass), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x `[T, 2N]` -> `silu(x[:, :N]) * x[:, N:]`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

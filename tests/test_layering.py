@@ -1,0 +1,53 @@
+"""The layering rules of design.md, checked by walking every import (module- and function-level)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "aserve"
+
+# package -> prefixes it must never import
+FORBIDDEN = {
+    "config.py": ["torch", "anyio", "aserve.core", "aserve.engine", "aserve.server", "aserve.model.",
+                  "aserve.runner", "aserve.executor"],
+    "sampling_params.py": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.runner"],
+    "outputs.py": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.runner"],
+    "core": ["torch", "anyio", "aserve.engine", "aserve.server", "aserve.runner", "aserve.model",
+             "aserve.executor", "starlette", "numpy"],
+    "model": ["aserve.core", "aserve.engine", "aserve.server", "aserve.runner", "aserve.executor"],
+    "runner": ["aserve.core.scheduler", "aserve.core.kv_cache_manager", "aserve.engine", "aserve.server"],
+    "executor": ["aserve.server", "aserve.engine"],
+    "engine": ["torch", "starlette", "aserve.server", "aserve.model.", "aserve.runner"],
+    "server": ["torch", "aserve.model.", "aserve.runner", "aserve.executor"],
+}
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _files(key: str) -> list[Path]:
+    target = ROOT / key
+    return sorted(target.rglob("*.py")) if target.is_dir() else [target]
+
+
+@pytest.mark.parametrize("key", list(FORBIDDEN))
+def test_layering(key):
+    bad = []
+    for f in _files(key):
+        for name in _imports(f):
+            for prefix in FORBIDDEN[key]:
+                if name == prefix.rstrip(".") or name.startswith(prefix if prefix.endswith(".") else prefix + "."):
+                    bad.append(f"{f.relative_to(ROOT.parent)} imports {name}")
+                elif name == prefix:
+                    bad.append(f"{f.relative_to(ROOT.parent)} imports {name}")
+    assert not bad, "\n".join(bad)
