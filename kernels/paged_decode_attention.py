@@ -84,8 +84,8 @@ def _paged_decode_kernel(
     if USE_WINDOW:
         # The query sits at seq_len - 1 and sees keys in (seq_len - 1 - window, seq_len - 1].
         lo = tl.maximum(seq_len - window, 0)
-    num_tiles = tl.cdiv(seq_len - lo, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    num_tiles = (seq_len - lo + TILE_N - 1) // TILE_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
     start = lo + split * tiles_per_split * TILE_N
     end = tl.minimum(start + tiles_per_split * TILE_N, seq_len)
 

@@ -1,15 +1,18 @@
 """Helpers shared by the kernel wrappers: launching on CPU through the interpreter, padding, checks.
 
-Triton decides between compiling and interpreting when a kernel is decorated, from
-`TRITON_INTERPRET` as it was at import time. CPU tensors can only ever run through the
-interpreter, so `launchable` picks the interpreted form for CPU tensors whatever the import-time
-setting was; CUDA tensors get the kernel as decorated (compiled, unless TRITON_INTERPRET=1 was set).
-That keeps the kernels importable in any order by any test package.
+Triton decides between compiling and interpreting when a function is decorated with
+`@triton.jit`, from `TRITON_INTERPRET` as it was at that moment; that covers triton.language's own
+jit'd helpers (`tl.sum`, `tl.max`, `tl.cdiv`), which are decorated when triton is first imported.
+So CPU tensors (which only the interpreter can run) need TRITON_INTERPRET=1 in the environment
+before anything imports triton; `launchable` raises a clear error otherwise instead of Triton's
+"Cannot call @triton.jit'd outside of the scope of a kernel".
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language
 from triton.runtime.interpreter import InterpretedFunction
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -18,11 +21,21 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_E4M3_MAX = 448.0
 
 
+def interpreting() -> bool:
+    """Whether triton was imported under TRITON_INTERPRET=1 (kernels then run on CPU tensors)."""
+    return isinstance(triton.language.sum, InterpretedFunction)
+
+
 def launchable(kernel, device: torch.device):
-    """The object to index with a grid and call: interpreted for CPU tensors, `kernel` otherwise."""
-    if device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
-        # InterpretedFunction keeps a class-level cache of rewritten functions, so this is cheap.
-        return InterpretedFunction(kernel.fn)
+    """`kernel`, after checking it can run on `device`: CPU tensors need the interpreter.
+
+    Raises RuntimeError for CPU tensors when triton was imported without TRITON_INTERPRET=1.
+    """
+    if device.type == "cpu" and not (isinstance(kernel, InterpretedFunction) and interpreting()):
+        raise RuntimeError(
+            f"{getattr(kernel, '__name__', 'kernel')}: CPU tensors run only under Triton's interpreter; "
+            "set TRITON_INTERPRET=1 in the environment before triton is first imported"
+        )
     return kernel
 
 

@@ -1,0 +1,194 @@
+"""Request fields -> SamplingParams, context-length checks and logprob formatting (shared by handlers)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from aserve.outputs import Logprob
+from aserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from aserve.server.errors import APIError, bad_request, from_sampling_error
+from aserve.server.protocol import (
+    ChatLogprobEntry,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    UsageInfo,
+)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
+    """`requested`, or the rest of the context when None; a prompt that leaves no room is a 400."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                       f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the "
+                       f"prompt.", param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if requested >= 1 and num_prompt_tokens + requested > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in "
+                       f"the completion). Please reduce the prompt or {max_tokens_param}.",
+                       param=max_tokens_param, code="context_length_exceeded")
+    return requested
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """Keep the last `truncate_prompt_tokens` tokens (vLLM's truncate_prompt_tokens)."""
+    if truncate_prompt_tokens is None:
+        return token_ids
+    if truncate_prompt_tokens < 1:
+        raise bad_request(f"must be >= 1, got {truncate_prompt_tokens}", param="truncate_prompt_tokens")
+    return token_ids[-truncate_prompt_tokens:]
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise bad_request(f"keys must be token ids (integers as strings), got {key!r}",
+                              param="logit_bias") from None
+    return out
+
+
+def build_sampling_params(req: Any, *, max_tokens: int, logprobs: int | None, stream: bool,
+                          best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from a chat/completions request; invalid values are a 400 naming the field."""
+    stop = req.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return SamplingParams(
+            n=1 if req.n is None else req.n,
+            best_of=best_of,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            stop=stop or None,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=_logit_bias(req.logit_bias),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except SamplingParamsError as exc:
+        raise from_sampling_error(exc) from None
+
+
+def check_stream_options(req: Any) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); stream_options without stream is a 400."""
+    opts = req.stream_options
+    if opts is None:
+        return False, False
+    if not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    include = bool(opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+Decode = Callable[[int], str]
+
+
+def _clamp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def _text(decode: Decode, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return decode(token_id)
+
+
+def _top(candidates: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
+    if top_n <= 0:
+        return []
+    ranked = sorted(candidates.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                        -kv[1].logprob))
+    if all(lp.rank is not None for _, lp in ranked):
+        ranked = [kv for kv in ranked if kv[1].rank <= top_n]  # type: ignore[operator]
+    return ranked[:top_n]
+
+
+def chat_logprobs(decode: Decode, token_ids: list[int], positions: list[dict[int, Logprob]] | None,
+                  top_n: int) -> list[ChatLogprobEntry]:
+    """OpenAI chat `logprobs.content` entries for the sampled `token_ids`."""
+    entries: list[ChatLogprobEntry] = []
+    for i, token_id in enumerate(token_ids):
+        candidates = positions[i] if positions is not None and i < len(positions) else {}
+        sampled = candidates.get(token_id)
+        text = _text(decode, token_id, sampled)
+        tops = []
+        for tid, lp in _top(candidates, top_n):
+            t = _text(decode, tid, lp)
+            tops.append(ChatTopLogprob(token=t, logprob=_clamp(lp.logprob), bytes=list(t.encode("utf-8"))))
+        entries.append(ChatLogprobEntry(token=text, logprob=_clamp(sampled.logprob) if sampled else _MIN_LOGPROB,
+                                        bytes=list(text.encode("utf-8")), top_logprobs=tops))
+    return entries
+
+
+def append_completion_logprobs(out: CompletionLogprobs, decode: Decode, token_ids: list[int],
+                               positions: list[dict[int, Logprob] | None] | None, top_n: int,
+                               offset: int) -> int:
+    """Append the completions-API logprobs of `token_ids` to `out`; returns the next text offset.
+
+    A position whose entry is None (the first prompt token) gets `None` logprobs.
+    """
+    for i, token_id in enumerate(token_ids):
+        candidates = positions[i] if positions is not None and i < len(positions) else None
+        sampled = candidates.get(token_id) if candidates else None
+        text = _text(decode, token_id, sampled)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if candidates is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_clamp(sampled.logprob) if sampled else None)
+        tops = {_text(decode, tid, lp): _clamp(lp.logprob) for tid, lp in _top(candidates, top_n)}
+        if sampled is not None:
+            tops.setdefault(text, _clamp(sampled.logprob))  # OpenAI includes the sampled token
+        out.top_logprobs.append(tops)
+    return offset
+
+
+def prompt_logprobs_dicts(decode: Decode, prompt_token_ids: list[int],
+                          positions: list[dict[int, Logprob] | None] | None, top_n: int
+                          ) -> list[dict[str, float] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token, decoded token -> logprob (None for the first)."""
+    out: list[dict[str, float] | None] = []
+    for i, token_id in enumerate(prompt_token_ids):
+        candidates = positions[i] if positions is not None and i < len(positions) else None
+        if not candidates:
+            out.append(None)
+            continue
+        entry = {_text(decode, tid, lp): _clamp(lp.logprob) for tid, lp in _top(candidates, top_n)}
+        sampled = candidates.get(token_id)
+        if sampled is not None:
+            entry.setdefault(_text(decode, token_id, sampled), _clamp(sampled.logprob))
+        out.append(entry)
+    return out

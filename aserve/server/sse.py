@@ -1,0 +1,101 @@
+"""Server-sent events and client-disconnect handling.
+
+`SSEResponse` runs a producer coroutine that emits `data: ...\\n\\n` events, next to a task that
+waits for `http.disconnect`; a disconnect cancels the producer's scope, so the producer's
+(shielded) `finally` aborts its engine request. `call_until_disconnect` gives non-streaming
+handlers the same behaviour.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, TypeVar
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+Emit = Callable[[bytes], Awaitable[None]]
+T = TypeVar("T")
+
+
+def event(payload: bytes) -> bytes:
+    """One SSE event carrying a JSON payload."""
+    return b"data: " + payload + b"\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was complete."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse:
+    """An ASGI response streaming `text/event-stream`; `produce(emit)` writes the events.
+
+    When the client disconnects, `produce` is cancelled (its `finally` blocks run) and nothing more
+    is sent.
+    """
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]], headers: dict[str, str] | None = None):
+        self.produce = produce
+        self.headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})}
+        self.disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        raw_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+
+        async def emit(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await _wait_for_disconnect(receive)
+                self.disconnected = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+                await self.produce(emit)
+            except OSError:  # ASGI >= 2.4 servers report a gone client by failing send()
+                self.disconnected = True
+            finally:
+                tg.cancel_scope.cancel()
+        if not self.disconnected:
+            try:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                self.disconnected = True
+
+
+async def call_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]]) -> T:
+    """Await `fn()`, cancelling it if the client disconnects first (then raise ClientDisconnected).
+
+    Call it only after the request body has been read.
+    """
+    result: list[Any] = []
+    disconnected = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            await _wait_for_disconnect(receive)
+            disconnected = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result.append(await fn())
+        finally:
+            tg.cancel_scope.cancel()
+    if disconnected and not result:
+        raise ClientDisconnected()
+    return result[0]
