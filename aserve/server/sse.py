@@ -54,6 +54,7 @@ class SSEResponse:
         async def emit(data: bytes) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
+        error: Exception | None = None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -67,8 +68,12 @@ class SSEResponse:
                 await self.produce(emit)
             except OSError:  # ASGI >= 2.4 servers report a gone client by failing send()
                 self.disconnected = True
+            except Exception as exc:  # re-raised below, outside the task group (no ExceptionGroup wrapping)
+                error = exc
             finally:
                 tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
         if not self.disconnected:
             try:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -79,9 +84,10 @@ class SSEResponse:
 async def call_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]]) -> T:
     """Await `fn()`, cancelling it if the client disconnects first (then raise ClientDisconnected).
 
-    Call it only after the request body has been read.
+    Exceptions from `fn` propagate unchanged. Call it only after the request body has been read.
     """
     result: list[Any] = []
+    error: list[BaseException] = []
     disconnected = False
     async with anyio.create_task_group() as tg:
 
@@ -94,8 +100,12 @@ async def call_until_disconnect(receive: Receive, fn: Callable[[], Awaitable[T]]
         tg.start_soon(watch)
         try:
             result.append(await fn())
+        except Exception as exc:  # re-raised below, outside the task group (no ExceptionGroup wrapping)
+            error.append(exc)
         finally:
             tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
     if disconnected and not result:
         raise ClientDisconnected()
     return result[0]

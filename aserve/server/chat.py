@@ -1,0 +1,241 @@
+"""POST /v1/chat/completions: render the conversation, submit, answer as JSON or as SSE chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import msgspec
+from msgspec import UNSET
+from starlette.requests import Request
+from starlette.responses import Response
+
+from aserve.outputs import RequestOutput
+from aserve.server.errors import APIError, bad_request, decode_body, unsupported
+from aserve.server.params import (
+    build_sampling_params,
+    chat_logprobs,
+    check_stream_options,
+    resolve_max_tokens,
+    truncate_prompt,
+    usage,
+)
+from aserve.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    ErrorResponse,
+    encoder,
+)
+from aserve.server.sse import DONE, Emit, SSEResponse, call_until_disconnect, event
+from aserve.server.state import ServerState, get_state, logger
+
+_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_MAX_TOP_LOGPROBS = 20
+
+
+def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect; text parts are joined with newlines."""
+    if not messages:
+        raise bad_request("must contain at least one message", param="messages")
+    conversation: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise unsupported(f"messages[{i}].content[{j}].type",
+                                      f"only text content parts are served, got {part.type!r}")
+                if part.text is None:
+                    raise bad_request("a text part needs `text`", param=f"messages[{i}].content[{j}].text")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        if content is None and not message.tool_calls:
+            content = ""
+        entry: dict[str, Any] = {"role": message.role, "content": content}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            entry["tool_calls"] = message.tool_calls
+        conversation.append(entry)
+    return conversation
+
+
+def _reject_unsupported(req: ChatCompletionRequest) -> None:
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "structured output (json_object / json_schema) is not implemented")
+    if req.tools:
+        raise unsupported("tools", "tool calling is not implemented")
+    if req.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "tool calling is not implemented")
+    if req.store:
+        raise unsupported("store", "this server does not store completions")
+
+
+def _top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The number of candidates per position to return, or None without logprobs."""
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:
+            raise bad_request(f"must be in [0, {_MAX_TOP_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
+    if not req.logprobs:
+        return None
+    return req.top_logprobs or 0
+
+
+@dataclass
+class _ChatJob:
+    state: ServerState
+    request_id: str
+    model: str
+    created: int
+    role: str
+    echo_text: str
+    num_prompt_tokens: int
+    n: int
+    top_logprobs: int | None
+    include_usage: bool
+    continuous_usage: bool
+    outputs: AsyncIterator[RequestOutput]
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = get_state(request)
+    req = decode_body(await request.body(), _decoder)
+    model = state.check_model(req.model)
+    _reject_unsupported(req)
+    include_usage, continuous_usage = check_stream_options(req)
+    top_logprobs = _top_logprobs(req)
+    conversation = to_conversation(req.messages)
+    prompt, prompt_ids = await state.run_blocking(
+        state.renderer.render_and_tokenize, conversation, add_special_tokens=req.add_special_tokens,
+        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
+    prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages", max_tokens_param)
+    stream = bool(req.stream)
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=top_logprobs, stream=stream)
+
+    role = state.args.response_role if req.add_generation_prompt else conversation[-1]["role"]
+    echo_text = ""
+    if req.echo and conversation[-1]["role"] == role and isinstance(conversation[-1]["content"], str):
+        echo_text = conversation[-1]["content"]
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    outputs = state.add_request(request_id, prompt, prompt_ids, params, req.priority, prompt_param="messages")
+    job = _ChatJob(state, request_id, model, int(time.time()), role, echo_text, len(prompt_ids), params.n,
+                   top_logprobs, include_usage, continuous_usage, outputs)
+    if stream:
+        return SSEResponse(lambda emit: _stream(job, emit))
+    response = await call_until_disconnect(request.receive, lambda: _collect(job))
+    return Response(encoder.encode(response), media_type="application/json")
+
+
+async def _collect(job: _ChatJob) -> ChatCompletionResponse:
+    state = job.state
+    texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
+    positions: dict[int, list[Any]] = {}
+    finish: dict[int, tuple[str | None, Any]] = {}
+    done = False
+    try:
+        async for out in job.outputs:
+            for c in out.outputs:
+                texts.setdefault(c.index, []).append(c.text)
+                token_ids.setdefault(c.index, []).extend(c.token_ids)
+                if c.logprobs:
+                    positions.setdefault(c.index, []).extend(c.logprobs)
+                finish[c.index] = (c.finish_reason, c.stop_reason)
+            if out.finished:
+                done = True
+                break
+    finally:
+        if not done:
+            await state.abort(job.request_id)
+    indices = sorted(texts)
+    choices = []
+    for i in indices:
+        logprobs = None
+        if job.top_logprobs is not None:
+            logprobs = ChatLogprobs(content=chat_logprobs(state.decode_token, token_ids[i], positions.get(i),
+                                                          job.top_logprobs))
+        reason, stop_reason = finish[i]
+        content = job.echo_text + "".join(texts[i])
+        choices.append(ChatChoice(index=i, message=ChatResponseMessage(role=job.role, content=content),
+                                  logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason))
+    num_completion = sum(len(token_ids[i]) for i in indices)
+    return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model,
+                                  system_fingerprint=state.system_fingerprint, choices=choices,
+                                  usage=usage(job.num_prompt_tokens, num_completion))
+
+
+async def _stream(job: _ChatJob, emit: Emit) -> None:
+    state = job.state
+    num_completion = 0
+
+    def chunk(choices: list[ChatChunkChoice]) -> bytes:
+        c = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
+                                system_fingerprint=state.system_fingerprint, choices=choices)
+        if job.continuous_usage:
+            c.usage = usage(job.num_prompt_tokens, num_completion)
+        elif job.include_usage:
+            c.usage = None
+        return event(encoder.encode(c))
+
+    done = False
+    try:
+        first = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
+                 for i in range(job.n)]
+        if job.echo_text:
+            first += [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=job.echo_text))])
+                      for i in range(job.n)]
+        await emit(b"".join(first))
+        async for out in job.outputs:
+            events = []
+            for c in out.outputs:
+                num_completion += len(c.token_ids)
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                logprobs = None
+                if job.top_logprobs is not None and c.token_ids:
+                    logprobs = ChatLogprobs(content=chat_logprobs(state.decode_token, c.token_ids, c.logprobs,
+                                                                  job.top_logprobs))
+                finished = c.finish_reason is not None
+                events.append(chunk([ChatChunkChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason if finished else UNSET)]))
+            if out.finished:
+                done = True
+            if events:
+                await emit(b"".join(events))
+            if done:
+                break
+        tail = []
+        if job.include_usage:
+            final = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
+                                        system_fingerprint=state.system_fingerprint, choices=[],
+                                        usage=usage(job.num_prompt_tokens, num_completion))
+            tail.append(event(encoder.encode(final)))
+        tail.append(DONE)
+        await emit(b"".join(tail))
+    except Exception as exc:
+        logger.exception("chat request %s failed while streaming", job.request_id)
+        error = APIError(500, f"the engine failed while generating: {type(exc).__name__}: {exc}",
+                         code="engine_error")
+        await emit(event(encoder.encode(ErrorResponse(error=error.info()))) + DONE)
+    finally:
+        if not done:
+            await state.abort(job.request_id)
