@@ -114,6 +114,13 @@ class KVCacheManager:
         req_id = request.request_id
         bs = self.block_size
         blocks = self._blocks.get(req_id)
+        if blocks is not None and not computed_block_ids:
+            # Fast path (decodes): the table already covers the new tokens.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * bs:
+                if self.enable_caching or request.share_prefix:
+                    self._register_full_blocks(request, blocks, min(num_tokens, request.num_tokens) // bs)
+                return []
         first = blocks is None
         if first:
             blocks = []

@@ -50,9 +50,23 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time", "priority",
-        "wait_for_req_id", "share_prefix", "max_tokens", "output_token_ids", "num_computed_tokens", "status",
-        "stop_reason", "num_cached_tokens", "num_preemptions", "block_hashes", "_all_token_ids",
+        "_all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "eos_token_ids",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "share_prefix",
+        "status",
+        "stop_reason",
+        "wait_for_req_id",
     )
 
     def __init__(

@@ -32,6 +32,9 @@ from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.request import Request, RequestStatus
 
 _WAITING_LIKE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 @dataclass
@@ -403,7 +406,7 @@ class Scheduler:
         any_finished = False
         for i, req_id in enumerate(runner_output.req_ids):
             req = requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status is not _RUNNING:
                 continue  # aborted while the step ran
             token = runner_output.sampled_token_ids[i]
             req.append_output_token_ids(token)
@@ -430,19 +433,21 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], new_prompt_logprobs=entries,
                                                 num_cached_tokens=req.num_cached_tokens))
         if any_finished:
-            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """The finished status after `token` was appended (sets stop_reason), or None."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_outputs = len(req.output_token_ids)
+        if num_outputs >= params.min_tokens:
             if params.stop_token_ids and token in params.stop_token_ids:
                 req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+                return _STOPPED
             if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
+                return _STOPPED
+        if num_outputs >= req.max_tokens or req.num_prompt_tokens + num_outputs >= self.max_model_len:
+            return _LENGTH_CAPPED
         return None
 
     def _fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:

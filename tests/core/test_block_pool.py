@@ -60,7 +60,7 @@ def test_touch_revives_a_free_cached_block():
 
 def test_freed_uncached_blocks_are_reused_before_cached_ones():
     pool = BlockPool(4, enable_caching=True)
-    a, b, c = pool.allocate(3)
+    a, b, _ = pool.allocate(3)
     pool.cache_full_block(a, 1, (1,))
     pool.free([a])
     pool.free([b])  # no hash: goes to the head

@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -9,8 +10,6 @@ from aserve.core.hashing import (
     hash_request_blocks,
     sha256_hash,
 )
-
-import pytest
 
 
 def test_chain_depends_on_parent_tokens_and_extra_keys():

@@ -283,5 +283,5 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert kv.get_block_ids(r.request_id) == []
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestKVCacheMachine = KVCacheMachine.TestCase
