@@ -24,6 +24,8 @@ import triton.language as tl
 from .triton_utils import (
     ACTIVATION_DTYPES,
     FP8_DTYPES,
+    MAX_COMBINE,
+    SUM_COMBINE,
     cdiv,
     check_same_device,
     check_scale,
@@ -102,8 +104,8 @@ def _paged_decode_kernel(
     )
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
 
     cols = tl.arange(0, TILE_N)
     for tile_start in range(start, end, TILE_N):
@@ -126,10 +128,10 @@ def _paged_decode_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         scores = tl.where(tok_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX_COMBINE))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, SUM_COMBINE)
         v = tl.load(
             v_cache_ptr
             + block_ids[:, None] * stride_vb
@@ -150,7 +152,9 @@ def _paged_decode_kernel(
     if WRITE_PARTIAL:
         tl.store(out_ptr + out_offsets, out, mask=out_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(denom), float("-inf"))
-        tl.store(lse_ptr + (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split, lse, mask=row_mask)
+        tl.store(
+            lse_ptr + (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split, lse, mask=row_mask
+        )
     else:
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -177,17 +181,19 @@ def _reduce_splits_kernel(
     dim_mask = dims < HEAD_DIM
 
     lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    m = tl.reduce(lse, 0, MAX_COMBINE)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weights = tl.exp2(lse - m_safe)  # 0 for empty splits
-    total = tl.sum(weights, 0)
+    total = tl.reduce(weights, 0, SUM_COMBINE)
     parts = tl.load(
         partial_ptr + (row * NUM_SPLITS + splits[:, None]) * HEAD_DIM + dims[None, :],
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    out = tl.reduce(parts * weights[:, None], 0, SUM_COMBINE) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask
+    )
 
 
 def choose_num_splits(num_programs: int, max_context: int, num_sms: int) -> int:
@@ -232,7 +238,9 @@ def paged_decode_attention(
     if cache_head_dim != head_dim:
         raise ValueError(f"kv_cache: head_dim {cache_head_dim} != q head_dim {head_dim}")
     if num_heads % num_kv_heads:
-        raise ValueError(f"q: num_heads {num_heads} is not a multiple of kv_cache num_kv_heads {num_kv_heads}")
+        raise ValueError(
+            f"q: num_heads {num_heads} is not a multiple of kv_cache num_kv_heads {num_kv_heads}"
+        )
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ValueError(
             f"block_tables/seq_lens: expected {batch} rows like q, got {block_tables.shape[0]} and {seq_lens.shape[0]}"
@@ -264,29 +272,29 @@ def paged_decode_attention(
         raise ValueError(f"num_splits: must be a positive int, got {num_splits!r}")
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    common = dict(
-        qk_scale=float(scale) * 1.4426950408889634 * k_scale,
-        v_scale=v_scale,
-        window=window,
-        stride_qb=q.stride(0),
-        stride_qh=q.stride(1),
-        stride_kb=k_cache.stride(0),
-        stride_kt=k_cache.stride(1),
-        stride_kh=k_cache.stride(2),
-        stride_vb=v_cache.stride(0),
-        stride_vt=v_cache.stride(1),
-        stride_vh=v_cache.stride(2),
-        stride_bt=block_tables.stride(0),
-        NUM_SPLITS=num_splits,
-        GROUP=group,
-        GROUP_PAD=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        TILE_N=tile_n,
-        USE_WINDOW=window > 0,
-        PRECISION=dot_precision(q.dtype),
-    )
+    common = {
+        "qk_scale": float(scale) * 1.4426950408889634 * k_scale,
+        "v_scale": v_scale,
+        "window": window,
+        "stride_qb": q.stride(0),
+        "stride_qh": q.stride(1),
+        "stride_kb": k_cache.stride(0),
+        "stride_kt": k_cache.stride(1),
+        "stride_kh": k_cache.stride(2),
+        "stride_vb": v_cache.stride(0),
+        "stride_vt": v_cache.stride(1),
+        "stride_vh": v_cache.stride(2),
+        "stride_bt": block_tables.stride(0),
+        "NUM_SPLITS": num_splits,
+        "GROUP": group,
+        "GROUP_PAD": max(16, next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": head_dim_pad,
+        "BLOCK_SIZE": block_size,
+        "TILE_N": tile_n,
+        "USE_WINDOW": window > 0,
+        "PRECISION": dot_precision(q.dtype),
+    }
     decode = launchable(_paged_decode_kernel, device)
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:

@@ -1,18 +1,19 @@
-"""Helpers shared by the kernel wrappers: launching on CPU through the interpreter, padding, checks.
+"""Helpers shared by the kernel wrappers: launching (CPU tensors through the interpreter), padding, checks.
 
-Triton decides between compiling and interpreting when a function is decorated with
-`@triton.jit`, from `TRITON_INTERPRET` as it was at that moment; that covers triton.language's own
-jit'd helpers (`tl.sum`, `tl.max`, `tl.cdiv`), which are decorated when triton is first imported.
-So CPU tensors (which only the interpreter can run) need TRITON_INTERPRET=1 in the environment
-before anything imports triton; `launchable` raises a clear error otherwise instead of Triton's
-"Cannot call @triton.jit'd outside of the scope of a kernel".
+Triton decides between compiling and interpreting when a function is decorated with `@triton.jit`,
+from TRITON_INTERPRET as it is at that moment, and triton.language's own jit'd helpers (`tl.sum`,
+`tl.max`, `tl.zeros`, `tl.cdiv`) are decorated when triton is first imported, often by torch or
+transformers long before any test sets the variable. So the kernels here call no jit'd helper:
+reductions are `tl.reduce` over triton.language's own combine functions (`SUM_COMBINE`,
+`MAX_COMBINE`; the interpreter recognizes them and runs numpy), and `launchable` runs any kernel
+through the interpreter for CPU tensors. CPU tensors therefore work whatever TRITON_INTERPRET
+was at import time; CUDA tensors get the kernel as decorated (compiled unless TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -21,21 +22,17 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_E4M3_MAX = 448.0
 
 
-def interpreting() -> bool:
-    """Whether triton was imported under TRITON_INTERPRET=1 (kernels then run on CPU tensors)."""
-    return isinstance(triton.language.sum, InterpretedFunction)
+# Combine functions for `tl.reduce(x, axis, SUM_COMBINE)` / `MAX_COMBINE` (same as tl.sum / tl.max on fp32).
+SUM_COMBINE = tl.standard._sum_combine
+MAX_COMBINE = tl.standard._elementwise_max
 
 
 def launchable(kernel, device: torch.device):
-    """`kernel`, after checking it can run on `device`: CPU tensors need the interpreter.
-
-    Raises RuntimeError for CPU tensors when triton was imported without TRITON_INTERPRET=1.
-    """
-    if device.type == "cpu" and not (isinstance(kernel, InterpretedFunction) and interpreting()):
-        raise RuntimeError(
-            f"{getattr(kernel, '__name__', 'kernel')}: CPU tensors run only under Triton's interpreter; "
-            "set TRITON_INTERPRET=1 in the environment before triton is first imported"
-        )
+    """The object to index with a grid and call: the interpreted form for CPU tensors (the only
+    way they can run), `kernel` as decorated otherwise."""
+    if device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
+        # InterpretedFunction caches the rewritten function per kernel, so this is cheap per call.
+        return InterpretedFunction(kernel.fn)
     return kernel
 
 
@@ -55,12 +52,15 @@ def num_sms(device: torch.device) -> int:
     return 1
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """`tl.dot` input precision: exact IEEE for fp32 operands (no TF32 rounding), default otherwise."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """`tl.dot` input precision: exact IEEE for fp32 operands (no TF32 rounding); None (Triton's
+    default, irrelevant for 16-bit operands) otherwise."""
+    return "ieee" if dtype == torch.float32 else None
 
 
-def check_tensor(name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+def check_tensor(
+    name: str, t: torch.Tensor, ndim: int, dtypes: tuple[torch.dtype, ...] | None = None
+) -> None:
     """Raise TypeError/ValueError naming `name` unless `t` is a tensor of `ndim` dims with one of `dtypes`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -87,7 +87,9 @@ def check_scale(name: str, value: float, quantized: bool) -> float:
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{name}: must be a positive finite number, got {value}")
     if not quantized and value != 1.0:
-        raise ValueError(f"{name}: {value} given but the KV cache is not fp8 (scales apply to fp8 caches only)")
+        raise ValueError(
+            f"{name}: {value} given but the KV cache is not fp8 (scales apply to fp8 caches only)"
+        )
     return value
 
 
