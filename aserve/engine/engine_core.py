@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aserve.config import AserveConfig, EngineArgs, KVCacheInfo
+from aserve.config import AserveConfig, ConfigError, EngineArgs, KVCacheInfo
 from aserve.core.batch import EngineCoreOutput, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
@@ -129,8 +129,14 @@ def build_engine(args: EngineArgs, **runner_kwargs) -> EngineParts:
     tokenizer = load_tokenizer(config)
     executor = make_executor(config, **runner_kwargs)
     info = executor.start()
+    tokens = (info.num_blocks - 1) * info.block_size  # block 0 is the reserved null block
+    if tokens < config.model.max_model_len:
+        executor.shutdown()
+        raise ConfigError(
+            f"--max-model-len: {config.model.max_model_len} tokens do not fit in the KV cache ({tokens} tokens in "
+            f"{info.num_blocks - 1} blocks); lower --max-model-len or give the cache more room "
+            "(--cpu-kvcache-space, --gpu-memory-utilization, --num-gpu-blocks-override)")
     core = EngineCore(config, executor, info)
-    tokens = (info.num_blocks - 1) * info.block_size
     logger.info("Engine ready in %.1fs: %s on %s (%s attention, %s executor); %d KV blocks x %d tokens = %d tokens "
                 "(%.1fx max_model_len)", time.perf_counter() - start, config.model.served_model_name,
                 info.device, info.attention_backend, config.parallel.distributed_executor_backend,

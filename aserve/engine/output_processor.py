@@ -157,8 +157,9 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 state.num_finished += 1
                 self.sample_owner.pop(sample.req_id, None)
-            sample.changed = True
-            touched[state.request_id] = state
+            if out.new_token_ids or sample.finish_reason is not None:
+                sample.changed = True
+                touched[state.request_id] = state
 
         request_outputs = []
         for state in touched.values():

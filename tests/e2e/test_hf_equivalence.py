@@ -35,7 +35,7 @@ CASES = {
 
 
 def _llm(path: str, **kwargs) -> LLM:
-    base = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256, cpu_kvcache_space=0.05)
+    base = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.05)
     base.update(kwargs)
     return LLM(path, **base)
 
@@ -117,7 +117,7 @@ def test_smollm2_matches_hf(case, bundled_model_path, smol_prompts, smol_referen
     kwargs = dict(CASES[case])
     if case == "preemption":
         kwargs["num_gpu_blocks_override"] = 20
-    llm = LLM("", dtype="float32", max_model_len=512, cpu_kvcache_space=0.1, **kwargs)
+    llm = LLM("", dtype="float32", max_model_len=256, cpu_kvcache_space=0.1, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     outs = llm.generate([{"prompt_token_ids": p} for p in smol_prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == smol_reference
