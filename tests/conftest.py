@@ -71,6 +71,13 @@ def bundled_model_path() -> str:
     return resolve_model("", None, None, "auto")
 
 
+@pytest.fixture(scope="session")
+def smol_tokenizer(bundled_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_model_path)
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[list[int]]:
     """Hugging Face transformers' greedy generate in fp32, one prompt at a time (no padding effects)."""
     import torch

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aserve.outputs import RequestOutput
-from aserve.server.errors import APIError, bad_request, decode_body, unsupported
+from aserve.server.errors import bad_request, decode_body, engine_failure, unsupported
 from aserve.server.params import (
     build_sampling_params,
     chat_logprobs,
@@ -126,9 +126,12 @@ async def create_chat_completion(request: Request) -> Response:
     prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages", max_tokens_param)
+    defaults = state.generation_defaults
+    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages", max_tokens_param,
+                                    default=defaults.get("max_tokens"))
     stream = bool(req.stream)
-    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=top_logprobs, stream=stream)
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=top_logprobs, stream=stream,
+                                   defaults=defaults)
 
     role = state.args.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo_text = ""
@@ -162,6 +165,8 @@ async def _collect(job: _ChatJob) -> ChatCompletionResponse:
             if out.finished:
                 done = True
                 break
+    except Exception as exc:
+        raise engine_failure(exc) from exc
     finally:
         if not done:
             await state.abort(job.request_id)
@@ -233,9 +238,7 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
         await emit(b"".join(tail))
     except Exception as exc:
         logger.exception("chat request %s failed while streaming", job.request_id)
-        error = APIError(500, f"the engine failed while generating: {type(exc).__name__}: {exc}",
-                         code="engine_error")
-        await emit(event(encoder.encode(ErrorResponse(error=error.info()))) + DONE)
+        await emit(event(encoder.encode(ErrorResponse(error=engine_failure(exc).info()))) + DONE)
     finally:
         if not done:
             await state.abort(job.request_id)

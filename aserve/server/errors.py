@@ -109,3 +109,8 @@ def http_error(status: int, detail: str | None = None) -> APIError:
     """An APIError for a routing-level status (404 unknown path, 405 wrong method, ...)."""
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
     return APIError(status, detail or phrase, code=phrase.lower().replace(" ", "_"))
+
+
+def engine_failure(exc: BaseException) -> APIError:
+    """The engine failed while generating (it died, or a step raised): a 500, not the client's fault."""
+    return APIError(500, f"the engine failed while generating: {type(exc).__name__}: {exc}", code="engine_error")

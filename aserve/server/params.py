@@ -18,14 +18,18 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       prompt_param: str, max_tokens_param: str = "max_tokens") -> int:
-    """`requested`, or the rest of the context when None; a prompt that leaves no room is a 400."""
+                       prompt_param: str, max_tokens_param: str = "max_tokens", default: int | None = None) -> int:
+    """`requested`, else `default`, else the rest of the context (capped by the context either way).
+
+    A prompt that leaves no room, or a requested length past the context, is a 400.
+    """
     if num_prompt_tokens >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
                        f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the "
                        f"prompt.", param=prompt_param, code="context_length_exceeded")
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        return room if default is None else min(default, room)
     if requested >= 1 and num_prompt_tokens + requested > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                        f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in "
@@ -57,22 +61,33 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def build_sampling_params(req: Any, *, max_tokens: int, logprobs: int | None, stream: bool,
-                          best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from a chat/completions request; invalid values are a 400 naming the field."""
+                          best_of: int | None = None, prompt_logprobs: int | None = None,
+                          defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from a chat/completions request; invalid values are a 400 naming the field.
+
+    Fields the request leaves unset take the model's `defaults` (generation_config.json), then
+    OpenAI's.
+    """
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]
+    defaults = defaults or {}
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
     try:
         return SamplingParams(
             n=1 if req.n is None else req.n,
             best_of=best_of,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", -1),
+            min_p=pick("min_p", 0.0),
             seed=req.seed,
             stop=stop or None,
             stop_token_ids=req.stop_token_ids,

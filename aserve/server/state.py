@@ -128,11 +128,15 @@ class ServerState:
         try:
             return self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority)
         except SamplingParamsError as exc:
+            if exc.field == "prompt":
+                raise APIError(400, str(exc), param=prompt_param, code="invalid_value") from None
             raise from_sampling_error(exc) from None
         except ValueError as exc:
             text = str(exc)
             param = "max_tokens" if "max_tokens" in text else prompt_param
             raise APIError(400, text, param=param, code="invalid_value") from None
+        except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
+            raise APIError(503, f"the engine cannot take requests: {exc}", code="engine_unavailable") from None
 
     async def abort(self, request_id: str) -> None:
         """Abort a request, shielded so it completes even inside a cancelled scope."""
@@ -151,6 +155,11 @@ class ServerState:
         shown_ids = prompt_token_ids[:limit] if limit is not None else prompt_token_ids
         logger.info("Received request %s: prompt: %r, params: %r, prompt_token_ids: %s", request_id,
                     shown_prompt, params, shown_ids)
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the model's generation_config.json (vLLM's --generation-config auto)."""
+        return dict(getattr(self.engine, "generation_defaults", None) or {})
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

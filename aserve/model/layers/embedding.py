@@ -1,0 +1,44 @@
+"""Token embedding and the LM head (optionally tied to the embedding)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.model.layers.linear import _copy_checked
+
+
+class VocabEmbedding(nn.Module):
+    """ids `[T]` int64 -> `[T, embedding_dim]`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        _copy_checked(param.data, loaded)
+
+
+class LMHead(nn.Module):
+    """hidden `[N, hidden]` -> logits `[N, vocab]` in float32. `tie_to` shares the embedding's weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None,
+                 tie_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.tied = tie_to is not None
+        if tie_to is not None:
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        _copy_checked(param.data, loaded)

@@ -1,0 +1,114 @@
+"""Rotary position embeddings (RoPE) with the Hugging Face scaling variants.
+
+The cos/sin table is built once for every position the model can see. Supported `rope_scaling`
+types: None/default, linear, dynamic (NTK), llama3, yarn. Frequencies follow transformers'
+`modeling_rope_utils` exactly, except `dynamic`: a paged KV cache cannot re-rotate cached keys as
+the sequence grows, so (like vLLM) the base is scaled once for the full extended length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from aserve.kernels import reference
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """`forward(positions [T], q [T, H, D], k [T, KVH, D])` -> rotated `(q, k)`."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None, is_neox: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.is_neox = is_neox
+        inv_freq, attention_factor, num_positions = _inv_freq(rotary_dim, base, max_position, rope_scaling)
+        t = torch.arange(num_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        cache = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
+        # Stored in the model dtype: HF casts fp32 cos/sin to the activations' dtype before use.
+        self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
+
+    @property
+    def max_position(self) -> int:
+        return self.cos_sin_cache.shape[0]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+
+
+def _inv_freq(dim: int, base: float, max_position: int,
+              scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float, int]:
+    """(inverse frequencies `[dim // 2]`, cos/sin multiplier, number of positions to tabulate)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not implemented (supported: {SUPPORTED_ROPE_TYPES})")
+    if scaling is None or kind == "default":
+        return inv_freq, 1.0, max_position
+    factor = float(scaling.get("factor") or 1.0)
+    if kind == "linear":
+        return inv_freq / factor, 1.0, int(max_position * factor)
+    if kind == "dynamic":
+        num_positions = int(max_position * factor)
+        scaled_base = base * ((factor * num_positions / max_position) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled_base ** exponents), 1.0, num_positions
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, factor, scaling), 1.0, max_position
+    return _yarn_inv_freq(dim, base, max_position, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict[str, Any]) -> torch.Tensor:
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, base: float, max_position: int,
+                   scaling: dict[str, Any]) -> tuple[torch.Tensor, float, int]:
+    original = int(scaling.get("original_max_position_embeddings") or max_position)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor else max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    num_positions = max(int(max_position * factor), int(original * factor))
+    return inv_freq, float(attention_factor), num_positions

@@ -1,0 +1,131 @@
+"""Build a model from an `AserveConfig` and fill its weights (safetensors, PyTorch .bin/.pt, or dummy).
+
+`config.model.model_path` is already a local Hugging Face folder (see `aserve.model_source`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from aserve.config import AserveConfig
+from aserve.model.attention.base import AttentionBackend
+from aserve.model.models.registry import get_model_class
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_DUMMY_RANGE = 1e-3
+
+
+class WeightsNotFoundError(FileNotFoundError):
+    """The model folder holds no weight files of the requested format."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"float32" | "float16" | "bfloat16" -> the torch dtype (ValueError otherwise)."""
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"--dtype: expected one of {sorted(_TORCH_DTYPES)}, got {name!r}") from None
+
+
+def kv_cache_dtype_for(config: AserveConfig) -> torch.dtype:
+    """The KV cache's storage dtype: "auto" -> the model dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2" -> fp8."""
+    kind = config.cache.kv_cache_dtype
+    if kind == "auto":
+        return torch_dtype(config.model.dtype)
+    try:
+        return _KV_CACHE_DTYPES[kind]
+    except KeyError:
+        raise ValueError(f"--kv-cache-dtype: unsupported value {kind!r}") from None
+
+
+def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.device | str) -> nn.Module:
+    """Construct the architecture's model on `device` in `config.model.dtype` and load its weights.
+
+    Raises WeightsNotFoundError when the folder has no weights of the requested load format and
+    ValueError when the checkpoint does not fit the architecture.
+    """
+    arch = config.model.arch
+    dtype = torch_dtype(config.model.dtype)
+    model_cls = get_model_class(arch.architecture)
+    model = model_cls(arch, backend, dtype, device)
+    load_format = config.load.load_format
+    if load_format == "dummy":
+        init_dummy_weights(model, config.model.seed)
+    else:
+        model.load_weights(iterate_weights(config.model.model_path, load_format))
+    return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter with uniform noise in [-1e-3, 1e-3] (norm weights around 1), reproducibly."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        noise = torch.rand(param.shape, generator=gen, dtype=torch.float32) * (2 * _DUMMY_RANGE) - _DUMMY_RANGE
+        if "norm" in name:
+            noise += 1.0
+        param.data.copy_(noise)
+
+
+def weight_files(model_path: str, load_format: str) -> tuple[str, list[str]]:
+    """("safetensors" | "pt", sorted weight files) for `load_format` in auto/safetensors/pt/gguf.
+
+    "gguf" means a folder converted from a GGUF file, which holds safetensors. An index file
+    (`*.index.json`), when present, selects the files it names.
+    """
+    if load_format in ("auto", "safetensors", "gguf"):
+        files = _select_files(model_path, ["*.safetensors"], "model.safetensors.index.json")
+        if files:
+            return "safetensors", files
+        if load_format != "auto":
+            raise WeightsNotFoundError(f"--load-format {load_format}: no *.safetensors files in {model_path}")
+    if load_format in ("auto", "pt"):
+        files = _select_files(model_path, ["*.bin", "*.pt"], "pytorch_model.bin.index.json")
+        files = [f for f in files if not os.path.basename(f).startswith(("training_args", "optimizer", "scheduler"))]
+        if files:
+            return "pt", files
+        raise WeightsNotFoundError(f"no weight files (*.safetensors, *.bin, *.pt) in {model_path}")
+    raise ValueError(f"--load-format: unsupported value {load_format!r}")
+
+
+def _select_files(folder: str, patterns: list[str], index_name: str) -> list[str]:
+    files = sorted({f for p in patterns for f in glob.glob(os.path.join(folder, p))})
+    index = os.path.join(folder, index_name)
+    if files and os.path.isfile(index):
+        with open(index) as f:
+            named = set(json.load(f).get("weight_map", {}).values())
+        files = [f for f in files if os.path.basename(f) in named]
+    return files
+
+
+def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files."""
+    kind, files = weight_files(model_path, load_format)
+    progress = tqdm(files, desc="Loading weights", unit="file", disable=len(files) < 2)
+    for path in progress:
+        if kind == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        else:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+            yield from state.items()
+            del state

@@ -1,0 +1,24 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from aserve.model_registry_names import SUPPORTED_ARCHITECTURES
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+assert set(MODEL_CLASSES) == SUPPORTED_ARCHITECTURES, "registry and model_registry_names disagree"
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """Raises ValueError naming the supported architectures when `architecture` is unknown."""
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; "
+                         f"supported: {sorted(MODEL_CLASSES)}") from None

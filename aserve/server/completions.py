@@ -1,0 +1,321 @@
+"""POST /v1/completions: one engine request per prompt; choices are numbered prompt * n + sample."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+import msgspec
+from msgspec import UNSET
+from starlette.requests import Request
+from starlette.responses import Response
+
+from aserve.outputs import RequestOutput
+from aserve.server.errors import bad_request, decode_body, engine_failure, unsupported
+from aserve.server.params import (
+    append_completion_logprobs,
+    build_sampling_params,
+    check_stream_options,
+    prompt_logprobs_dicts,
+    resolve_max_tokens,
+    truncate_prompt,
+    usage,
+)
+from aserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    encoder,
+)
+from aserve.server.sse import DONE, Emit, SSEResponse, call_until_disconnect, event
+from aserve.server.state import ServerState, get_state, logger
+
+_decoder = msgspec.json.Decoder(CompletionRequest)
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+def normalize_prompts(prompt: str | list[Any], vocab_size: int) -> list[str | list[int]]:
+    """The request's prompt(s) as a list of strings and token-id lists; malformed shapes are a 400."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("must not be empty", param="prompt")
+
+    def check_ids(ids: list[Any], where: str) -> list[int]:
+        if not ids:
+            raise bad_request("a token-id prompt must not be empty", param=where)
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}", param=where)
+        return ids
+
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [check_ids(prompt, "prompt")]
+    if all(isinstance(p, list) for p in prompt):
+        return [check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise bad_request(f"must be {_PROMPT_SHAPES}", param="prompt")
+
+
+@dataclass
+class _Prompt:
+    index: int
+    request_id: str
+    text: str  # as given, or decoded from the given token ids (for echo)
+    token_ids: list[int]
+    outputs: AsyncIterator[RequestOutput] | None = None
+    finished: bool = False
+
+
+@dataclass
+class _CompletionJob:
+    state: ServerState
+    request_id: str
+    model: str
+    created: int
+    prompts: list[_Prompt]
+    n: int
+    echo: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    include_usage: bool
+    continuous_usage: bool
+    num_completion_tokens: int = 0
+    offsets: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+
+def _reject_unsupported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+    if req.stream and req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of must equal n when streaming", param="best_of")
+    if req.stream and req.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "not available when streaming")
+
+
+def _tokenize_all(tokenizer: Any, prompts: list[str | list[int]], add_special_tokens: bool
+                  ) -> list[tuple[str, list[int]]]:
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, tokenizer.encode(p, add_special_tokens=add_special_tokens)))
+        else:
+            out.append((tokenizer.decode(p), list(p)))
+    return out
+
+
+async def create_completion(request: Request) -> Response:
+    state = get_state(request)
+    req = decode_body(await request.body(), _decoder)
+    model = state.check_model(req.model)
+    _reject_unsupported(req)
+    include_usage, continuous_usage = check_stream_options(req)
+    raw_prompts = normalize_prompts(req.prompt, state.model_config.arch.vocab_size)
+    tokenized = await state.run_blocking(_tokenize_all, state.tokenizer, raw_prompts, req.add_special_tokens)
+    stream = bool(req.stream)
+    echo = bool(req.echo)
+    prompt_logprobs = req.prompt_logprobs
+    if echo and req.logprobs is not None:
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    prompts: list[_Prompt] = []
+    try:
+        for i, (raw, (text, ids)) in enumerate(zip(raw_prompts, tokenized)):
+            param = "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]"
+            if not ids:
+                raise bad_request("the prompt is empty after tokenization", param=param)
+            ids = truncate_prompt(ids, req.truncate_prompt_tokens)
+            max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, param)
+            params = build_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, stream=stream,
+                                           best_of=req.best_of, prompt_logprobs=prompt_logprobs,
+                                           defaults=state.generation_defaults)
+            entry = _Prompt(i, f"{request_id}-{i}", text, ids)
+            entry.outputs = state.add_request(entry.request_id, text if isinstance(raw, str) else None, ids, params,
+                                              req.priority, prompt_param=param)
+            prompts.append(entry)
+    except BaseException:
+        for p in prompts:
+            await state.abort(p.request_id)
+        raise
+
+    job = _CompletionJob(state, request_id, model, int(time.time()), prompts, params.n, echo, req.logprobs,
+                         req.prompt_logprobs, include_usage, continuous_usage)
+    if stream:
+        return SSEResponse(lambda emit: _stream(job, emit))
+    response = await call_until_disconnect(request.receive, lambda: _collect(job))
+    return Response(encoder.encode(response), media_type="application/json")
+
+
+async def _abort_unfinished(job: _CompletionJob) -> None:
+    for p in job.prompts:
+        if not p.finished:
+            await job.state.abort(p.request_id)
+
+
+@dataclass
+class _Sample:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    cumulative_logprob: float | None = None
+
+
+async def _collect_prompt(p: _Prompt) -> tuple[dict[int, _Sample], Any]:
+    samples: dict[int, _Sample] = {}
+    prompt_positions = None
+    assert p.outputs is not None
+    async for out in p.outputs:
+        if prompt_positions is None and out.prompt_logprobs is not None:
+            prompt_positions = out.prompt_logprobs
+        for c in out.outputs:
+            s = samples.setdefault(c.index, _Sample())
+            s.text.append(c.text)
+            s.token_ids.extend(c.token_ids)
+            if c.logprobs:
+                s.positions.extend(c.logprobs)
+            s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+            s.cumulative_logprob = c.cumulative_logprob
+        if out.finished:
+            p.finished = True
+            break
+    return samples, prompt_positions
+
+
+async def _collect(job: _CompletionJob) -> CompletionResponse:
+    state = job.state
+    results: list[Any] = [None] * len(job.prompts)
+    try:
+        async with anyio.create_task_group() as tg:
+            async def run(p: _Prompt) -> None:
+                results[p.index] = await _collect_prompt(p)
+
+            for p in job.prompts:
+                tg.start_soon(run, p)
+    except BaseExceptionGroup as group:  # one prompt's failure fails the request; report the first cause
+        raise engine_failure(group.exceptions[0]) from group.exceptions[0]
+    finally:
+        await _abort_unfinished(job)
+
+    choices: list[CompletionChoice] = []
+    num_completion = 0
+    for p, (samples, prompt_positions) in zip(job.prompts, results):
+        indices = sorted(samples)
+        if len(indices) > job.n:  # best_of surplus: keep the n most likely
+            indices = sorted(sorted(indices, key=lambda i: -(samples[i].cumulative_logprob or 0.0))[: job.n])
+        for k, i in enumerate(indices):
+            s = samples[i]
+            num_completion += len(s.token_ids)
+            prefix = p.text if job.echo else ""
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                offset = 0
+                if job.echo:
+                    offset = append_completion_logprobs(logprobs, state.decode_token, p.token_ids, prompt_positions,
+                                                        job.logprobs, 0)
+                append_completion_logprobs(logprobs, state.decode_token, s.token_ids, s.positions, job.logprobs,
+                                           offset)
+            choice = CompletionChoice(index=p.index * job.n + k, text=prefix + "".join(s.text), logprobs=logprobs,
+                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            if job.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_dicts(state.decode_token, p.token_ids, prompt_positions,
+                                                               job.prompt_logprobs)
+            choices.append(choice)
+    return CompletionResponse(id=job.request_id, created=job.created, model=job.model,
+                              system_fingerprint=state.system_fingerprint, choices=choices,
+                              usage=usage(job.num_prompt_tokens, num_completion))
+
+
+def _chunk(job: _CompletionJob, choice: CompletionChoice) -> bytes:
+    c = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
+                           system_fingerprint=job.state.system_fingerprint, choices=[choice])
+    if job.continuous_usage:
+        c.usage = usage(job.num_prompt_tokens, job.num_completion_tokens)
+    elif job.include_usage:
+        c.usage = None
+    return event(encoder.encode(c))
+
+
+def _echo_chunks(job: _CompletionJob, p: _Prompt, prompt_positions: Any) -> list[bytes]:
+    """The first chunk of each of the prompt's choices when echoing: the prompt text (and its logprobs)."""
+    chunks = []
+    for i in range(job.n):
+        index = p.index * job.n + i
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            job.offsets[index] = append_completion_logprobs(logprobs, job.state.decode_token, p.token_ids,
+                                                            prompt_positions, job.logprobs, 0)
+        else:
+            job.offsets[index] = len(p.text)
+        chunks.append(_chunk(job, CompletionChoice(index=index, text=p.text, logprobs=logprobs, finish_reason=None)))
+    return chunks
+
+
+async def _stream_prompt(job: _CompletionJob, p: _Prompt, emit: Emit) -> None:
+    state = job.state
+    echoed = not job.echo
+    assert p.outputs is not None
+    async for out in p.outputs:
+        events = []
+        if not echoed:  # wait for the first output: it carries the prompt logprobs
+            events.extend(_echo_chunks(job, p, out.prompt_logprobs))
+            echoed = True
+        for c in out.outputs:
+            job.num_completion_tokens += len(c.token_ids)
+            if not c.text and not c.token_ids and c.finish_reason is None:
+                continue
+            index = p.index * job.n + c.index
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = CompletionLogprobs()
+                job.offsets[index] = append_completion_logprobs(logprobs, state.decode_token, c.token_ids,
+                                                                c.logprobs, job.logprobs, job.offsets.get(index, 0))
+            finished = c.finish_reason is not None
+            events.append(_chunk(job, CompletionChoice(index=index, text=c.text, logprobs=logprobs,
+                                                       finish_reason=c.finish_reason,
+                                                       stop_reason=c.stop_reason if finished else UNSET)))
+        if out.finished:
+            p.finished = True
+        if events:
+            await emit(b"".join(events))
+        if p.finished:
+            break
+
+
+async def _stream(job: _CompletionJob, emit: Emit) -> None:
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                for p in job.prompts:
+                    tg.start_soon(_stream_prompt, job, p, emit)
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        tail = []
+        if job.include_usage:
+            final = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
+                                       system_fingerprint=job.state.system_fingerprint, choices=[],
+                                       usage=usage(job.num_prompt_tokens, job.num_completion_tokens))
+            tail.append(event(encoder.encode(final)))
+        tail.append(DONE)
+        await emit(b"".join(tail))
+    except OSError:
+        raise
+    except Exception as exc:
+        logger.exception("completion request %s failed while streaming", job.request_id)
+        await emit(event(encoder.encode(ErrorResponse(error=engine_failure(exc).info()))) + DONE)
+    finally:
+        await _abort_unfinished(job)

@@ -1,0 +1,156 @@
+"""The root task group: hypercorn serving the app, the engine loop and the stats logger.
+
+    serve(engine, args)  # one anyio task group, started services report readiness via task_status
+
+Shutdown (SIGINT/SIGTERM, or `stop` set): new requests get 503 and the listening socket closes
+(connection refused); in-flight requests get `args.shutdown_grace_period` seconds to finish (then
+they are cancelled, which aborts them in the engine); then the engine loop is shut down. A second
+signal cancels everything at once. An engine crash cancels the group and propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from aserve.server.app import create_app
+from aserve.server.args import ServerArgs
+from aserve.server.metrics import LoggingStatLogger
+from aserve.server.state import EngineClient
+
+logger = logging.getLogger("aserve.server")
+
+
+@dataclass(frozen=True)
+class BoundAddress:
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def python_log_level(name: str) -> int:
+    return logging.DEBUG if name.lower() == "trace" else logging.getLevelName(name.upper())
+
+
+def bind_socket(host: str | None, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free port); None binds all interfaces."""
+    host = host or "0.0.0.0"
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def hypercorn_config(args: ServerArgs, sock: socket.socket) -> HypercornConfig:
+    """Hypercorn settings; the server takes over `sock` (bound via its file descriptor)."""
+    config = HypercornConfig()
+    config.bind = [f"fd://{sock.detach()}"]
+    config.graceful_timeout = args.shutdown_grace_period
+    level = python_log_level(args.uvicorn_log_level)
+    error_log = logging.getLogger("hypercorn.error")
+    error_log.setLevel(level)
+    config.errorlog = error_log
+    if level <= logging.INFO:
+        access_log = logging.getLogger("hypercorn.access")
+        access_log.setLevel(level)
+        config.accesslog = access_log
+    else:
+        config.accesslog = None
+    if args.ssl_certfile:
+        config.certfile = args.ssl_certfile
+        config.keyfile = args.ssl_keyfile
+        config.ca_certs = args.ssl_ca_certs
+    return config
+
+
+async def _watch_signals(stop: anyio.Event, root: anyio.CancelScope, grace: float, *,
+                         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if not stop.is_set():
+                logger.info("%s received: refusing new requests, draining in-flight ones (up to %.0f s)", name, grace)
+                stop.set()
+            else:
+                logger.warning("%s received again: stopping now", name)
+                root.cancel()
+                return
+
+
+async def _serve_http(app: Any, config: HypercornConfig, shutdown_trigger: Any, done: anyio.Event, *,
+                      task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Hypercorn in a task of its own: on Python 3.11 its asyncio.TaskGroup can leave a stray cancellation
+    request on the task that ran it, which must not be the task holding our cancel scopes."""
+    task_status.started()
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+    finally:
+        done.set()
+
+
+async def serve(engine: EngineClient, args: ServerArgs, *, stop: anyio.Event | None = None,
+                handle_signals: bool = True, task_status: TaskStatus[BoundAddress] = anyio.TASK_STATUS_IGNORED
+                ) -> None:
+    """Run the engine loop, the stats logger and the HTTP server until `stop` is set (or a signal).
+
+    Reports the bound address through `task_status` once the socket listens and the engine runs.
+    Returns after a graceful shutdown; raises if the engine loop dies.
+    """
+    stop = stop or anyio.Event()
+    app = create_app(engine, args)
+    state = app.state.aserve
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    config = hypercorn_config(args, sock)
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        state.draining = True
+
+    with anyio.CancelScope() as root:
+        async with anyio.create_task_group() as engine_group:
+            await engine_group.start(engine.run)
+            try:
+                async with anyio.create_task_group() as services:
+                    if handle_signals:
+                        await services.start(_watch_signals, stop, root, args.shutdown_grace_period)
+                    if not args.disable_log_stats:
+                        stats = LoggingStatLogger(args.stats_log_interval)
+                        engine.add_stat_logger(stats)
+                        await services.start(stats.run)
+                    http_done = anyio.Event()
+                    await services.start(_serve_http, app, config, shutdown_trigger, http_done)
+                    address = BoundAddress(host, port)
+                    logger.info("serving %s on %s", list(state.served_model_names), address.url)
+                    task_status.started(address)
+                    await http_done.wait()
+                    services.cancel_scope.cancel()
+            finally:
+                engine.shutdown()
+    if root.cancelled_caught:
+        logger.warning("forced shutdown")
+    logger.info("server stopped")
+
+
+def run(engine_factory: Any, args: ServerArgs) -> None:
+    """Blocking entry point: build the engine inside the event loop (asyncio + uvloop) and serve.
+
+    `engine_factory()` is called in the loop, so it may create anyio primitives.
+    """
+
+    async def main() -> None:
+        engine = engine_factory()
+        await serve(engine, args)
+
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})

@@ -1,0 +1,90 @@
+"""TorchAttentionBackend: a mixed decode + prefill/extend batch over a paged cache equals dense attention."""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.model.attention.base import AttentionMetadata
+from aserve.model.attention.torch_backend import TorchAttentionBackend
+from tests.model.test_reference_ops import naive_attention
+
+
+def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=0, sliding_window=None):
+    """Random cached context per sequence (already in the cache) plus this step's new tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(contexts, q_lens, strict=True)]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    tables, slots, full_k, full_v, new_k, new_v = [], [], [], [], [], []
+    for ctx, n in zip(contexts, seq_lens, strict=True):
+        nb = -(-n // block_size)
+        blocks, perm = perm[:nb], perm[nb:]
+        tables.append(blocks)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        full_k.append(k)
+        full_v.append(v)
+        for pos in range(n):
+            b, off = blocks[pos // block_size], pos % block_size
+            if pos < ctx:  # cached context, written by earlier steps
+                cache[0, b, off], cache[1, b, off] = k[pos], v[pos]
+            else:
+                slots.append(b * block_size + off)
+        new_k.append(k[ctx:])
+        new_v.append(v[ctx:])
+    width = max(len(t) for t in tables) + 3
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    num_tokens = starts[-1]
+    meta = AttentionMetadata(
+        num_tokens=num_tokens, num_seqs=len(q_lens), num_decodes=sum(1 for q in q_lens if q == 1),
+        num_decode_tokens=sum(1 for q in q_lens if q == 1),
+        slot_mapping=torch.tensor(slots + [-1] * num_pad, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, sliding_window=sliding_window,
+    )
+    k = torch.cat(new_k + [torch.randn(num_pad, num_kv_heads, head_dim)])
+    v = torch.cat(new_v + [torch.randn(num_pad, num_kv_heads, head_dim)])
+    return cache, meta, k, v, full_k, full_v
+
+
+def _check(q_lens, contexts, block_size=16, num_heads=6, num_kv_heads=2, num_pad=0, sliding_window=None):
+    head_dim = 16
+    cache, meta, k, v, full_k, full_v = _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad,
+                                              seed=block_size, sliding_window=sliding_window)
+    q = torch.randn(meta.num_tokens + num_pad, num_heads, head_dim)
+    before = cache.clone()
+    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.25)
+    assert out.shape == q.shape
+    starts = meta.query_start_loc_cpu
+    for i, n in enumerate(meta.seq_lens_cpu):
+        q_pos = torch.arange(n - q_lens[i], n)
+        want = naive_attention(q[starts[i]:starts[i + 1]], full_k[i], full_v[i], q_pos, 0.25, sliding_window)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
+    if num_pad:
+        assert out[meta.num_tokens:].abs().sum() == 0
+    changed = (cache != before).flatten(2).any(-1)  # [2, blocks, block_size]
+    assert changed.sum() <= 2 * meta.num_tokens  # only this step's slots were written
+
+
+def test_mixed_decode_and_prefill_batch():
+    # decodes first (query length 1 over cached context), then an extend and two fresh prefills
+    _check(q_lens=[1, 1, 1, 9, 20, 5], contexts=[40, 3, 16, 23, 0, 0])
+
+
+def test_decode_only_and_prefill_only_batches():
+    _check(q_lens=[1, 1, 1, 1], contexts=[0, 70, 31, 8], block_size=8)
+    _check(q_lens=[12, 33], contexts=[0, 17], block_size=32)
+
+
+def test_padded_batch_leaves_padding_rows_zero():
+    _check(q_lens=[1, 1, 7], contexts=[10, 5, 0], num_pad=5)
+
+
+def test_sliding_window_in_decode_and_extend():
+    _check(q_lens=[1, 1, 6, 30], contexts=[40, 3, 20, 0], sliding_window=7, block_size=8)

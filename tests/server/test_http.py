@@ -1,0 +1,333 @@
+"""Raw HTTP against a real server: SSE framing, every error path, disconnects, health, draining."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from functools import partial
+
+import anyio
+import anyio.from_thread
+import httpx
+import pytest
+
+from conftest import quiet_args, running_server
+from fake_engine import EngineDeadError, FakeAsyncEngine, build_tokenizer
+
+from aserve.server.launch import serve
+
+pytestmark = pytest.mark.timeout(60)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=20) as client:
+        yield client
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def parse_sse(raw: bytes) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing on the way."""
+    assert raw.endswith(b"\n\n")
+    events = raw.decode().split("\n\n")[:-1]
+    payloads = []
+    for e in events:
+        assert e.startswith("data: ") and "\n" not in e, e
+        payloads.append(e[len("data: "):])
+    return payloads
+
+
+# -- SSE framing ------------------------------------------------------------------------------------
+
+def test_chat_sse_framing(http):
+    r = http.post(CHAT, json={"messages": USER, "max_tokens": 3, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    payloads = parse_sse(r.content)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in chunks[0]  # only with stream_options.include_usage
+
+
+def test_completion_sse_framing_with_echo(http):
+    r = http.post(COMPLETIONS, json={"prompt": "red green", "max_tokens": 2, "stream": True, "echo": True})
+    payloads = parse_sse(r.content)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks[0]["choices"][0]["text"] == "red green"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"messages": USER, "n": "two"}, "n"),
+    (CHAT, {"messages": USER, "temperature": -1}, "temperature"),
+    (CHAT, {"messages": USER, "top_p": 0}, "top_p"),
+    (CHAT, {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
+    (CHAT, {"messages": USER, "n": 0}, "n"),
+    (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": USER, "bogus_field": 1}, "bogus_field"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "logit_bias": {"99999": 1}}, "logit_bias"),
+    (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    (CHAT, {"messages": USER, "stop_token_ids": [99999]}, "stop_token_ids"),
+    (CHAT, {"messages": USER, "stop": [""]}, "stop"),
+    (CHAT, {"messages": USER, "add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    (CHAT, {"messages": USER, "chat_template": "{% for %}"}, "chat_template"),
+    (CHAT, {"messages": USER, "chat_template": "{{ raise_exception('nope') }}"}, "messages"),
+    (CHAT, {"messages": USER, "chat_template": "{{ ''.__class__.__mro__ }}"}, "messages"),
+    (CHAT, {"messages": USER, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "bye"}, "suffix"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3, "n": 1, "stream": True}, "best_of"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
+    (COMPLETIONS, {"prompt": []}, "prompt"),
+    (COMPLETIONS, {"prompt": [[]]}, "prompt[0]"),
+    (COMPLETIONS, {"prompt": [123456789]}, "prompt"),
+    (COMPLETIONS, {"prompt": 5}, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+])
+def test_invalid_fields_are_400_naming_the_field(http, path, body, param):
+    err = _error(http.post(path, json=body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_empty_body(http):
+    assert _error(http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}),
+                  400)["code"] == "invalid_json"
+    assert _error(http.post(COMPLETIONS, content=b""), 400)["code"] == "invalid_json"
+    _error(http.post(CHAT, content=b"[1, 2]"), 400)
+
+
+def test_context_length(http, tokenizer):
+    long_prompt = " ".join(["alpha"] * 300)  # > max_model_len (256) tokens
+    err = _error(http.post(COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "256" in err["message"]
+    prompt_len = len(tokenizer.encode("alpha beta"))
+    err = _error(http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len + 1}), 400,
+                 "max_tokens")
+    assert "256" in err["message"]
+    ok = http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len})
+    assert ok.status_code == 200
+    err = _error(http.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}), 400, "messages")
+    assert err["code"] == "context_length_exceeded"
+    _error(http.post(CHAT, json={"messages": USER, "max_completion_tokens": 1000}), 400, "max_completion_tokens")
+    truncated = http.post(COMPLETIONS, json={"prompt": long_prompt, "truncate_prompt_tokens": 10, "max_tokens": 2})
+    assert truncated.status_code == 200 and truncated.json()["usage"]["prompt_tokens"] == 10
+
+
+def test_chat_default_max_tokens_fills_the_context(server, engine):
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        with client.stream("POST", CHAT, json={"messages": USER, "stream": True, "max_tokens": None}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+            request_id, prompt_ids, params, _ = engine.added[-1]
+    assert params.max_tokens == 256 - len(prompt_ids)
+    wait_until(lambda: request_id not in engine.requests)  # the disconnect aborted it
+
+
+def test_unknown_model_404(http):
+    err = _error(http.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "model")
+    assert err["code"] == "model_not_found"
+    _error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
+
+
+def test_routing_errors_use_openai_format(http):
+    assert _error(http.get("/v1/nothing-here"), 404)["code"] == "not_found"
+    _error(http.get(CHAT), 405)
+    _error(http.post("/tokenize", json={}), 400, "prompt")
+    _error(http.post("/tokenize", json={"prompt": "a", "messages": USER}), 400, "prompt")
+    _error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    _error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+
+
+def test_version_and_health(http):
+    assert http.get("/version").json()["version"]
+    r = http.get("/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_unhealthy_engine_gives_503(http, engine):
+    engine.errored = True
+    try:
+        err = _error(http.get("/health"), 503)
+        assert err["type"] == "service_unavailable"
+        assert _error(http.post(CHAT, json={"messages": USER}), 503)["code"] == "engine_dead"
+    finally:
+        engine.errored = False
+    assert http.get("/health").status_code == 200
+
+
+# -- disconnects ------------------------------------------------------------------------------------
+
+def test_stream_disconnect_aborts_and_frees_blocks(server, engine):
+    engine.step_delay = 0.02
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 200, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                request_id = engine.added[-1][0]
+                wait_until(lambda: engine.get_scheduler_stats().num_used_blocks > 0)
+            # leaving the block closes the connection mid-stream
+        wait_until(lambda: request_id in engine.aborted)
+        wait_until(lambda: engine.get_scheduler_stats().num_used_blocks == 0)
+        assert request_id not in engine.requests
+    finally:
+        engine.step_delay = 0.002
+
+
+def test_non_stream_disconnect_aborts(server, engine):
+    engine.paused = True
+    try:
+        with httpx.Client(base_url=server.url, timeout=0.5) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                client.post(COMPLETIONS, json={"prompt": "wait for me", "max_tokens": 50})
+        request_id = engine.added[-1][0]
+        wait_until(lambda: request_id in engine.aborted)
+        assert engine.get_scheduler_stats().num_running_reqs == 0
+    finally:
+        engine.paused = False
+
+
+# -- CORS, root path ----------------------------------------------------------------------------------
+
+def test_cors_preflight_and_simple_request(http):
+    pre = http.options(CHAT, headers={"Origin": "http://a.test", "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "content-type"})
+    assert pre.status_code == 200
+    assert pre.headers["access-control-allow-origin"] in ("*", "http://a.test")
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    r = http.get("/v1/models", headers={"Origin": "http://a.test"})
+    assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_restricted_cors_and_root_path(tokenizer):
+    args = quiet_args(allowed_origins=("http://good.test",), root_path="/api")
+    with running_server(FakeAsyncEngine(tokenizer), args) as address:
+        with httpx.Client(base_url=address.url) as client:
+            ok = client.options(CHAT, headers={"Origin": "http://good.test", "Access-Control-Request-Method": "POST"})
+            assert ok.headers["access-control-allow-origin"] == "http://good.test"
+            bad = client.options(CHAT, headers={"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"})
+            assert bad.status_code == 400
+            assert client.get("/api/v1/models").json()["data"][0]["id"] == "fake-model"
+            assert client.get("/v1/models").status_code == 200
+            assert client.post("/api/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_no_chat_template_is_a_clear_400():
+    plain = build_tokenizer(special_tokens=("<|endoftext|>",))
+    with running_server(FakeAsyncEngine(plain), quiet_args()) as address:
+        with httpx.Client(base_url=address.url) as client:
+            err = _error(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
+            assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
+            inline = client.post(CHAT, json={"messages": USER, "max_tokens": 2,
+                                             "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+            assert inline.status_code == 200
+            assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_chat_template_flag_overrides(tokenizer):
+    args = quiet_args(chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    engine = FakeAsyncEngine(tokenizer)
+    with running_server(engine, args) as address:
+        with httpx.Client(base_url=address.url) as client:
+            assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
+    assert tokenizer.decode(engine.added[-1][1]) == "[user] hello\n"
+
+
+# -- shutdown and engine death ----------------------------------------------------------------------
+
+def test_draining_refuses_new_requests_and_finishes_in_flight(tokenizer):
+    engine = FakeAsyncEngine(tokenizer)
+    engine.paused = True
+    args = quiet_args(host="127.0.0.1", port=0, shutdown_grace_period=10)
+    result: dict = {}
+    with anyio.from_thread.start_blocking_portal("asyncio", backend_options={"use_uvloop": True}) as portal:
+        stop = portal.call(anyio.Event)
+        future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
+        keepalive = httpx.Client(base_url=address.url, timeout=10)
+        assert keepalive.get("/health").status_code == 200  # an open keep-alive connection
+
+        def in_flight():
+            with httpx.Client(base_url=address.url, timeout=10) as c:
+                result["response"] = c.post(COMPLETIONS, json={"prompt": "slow", "max_tokens": 5})
+
+        thread = threading.Thread(target=in_flight)
+        thread.start()
+        wait_until(lambda: len(engine.requests) == 1)
+        portal.call(stop.set)
+        time.sleep(0.2)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{address.url}/health", timeout=2)
+        try:
+            refused = keepalive.get("/health")
+            assert refused.status_code == 503
+        except httpx.TransportError:
+            pass  # the server closed the idle keep-alive connection: refused as well
+        engine.paused = False
+        thread.join(10)
+        future.result(timeout=10)
+        keepalive.close()
+    response = result["response"]
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_engine_death_ends_streams_and_fails_serve(tokenizer):
+    engine = FakeAsyncEngine(tokenizer)
+    engine.paused = True
+    args = quiet_args(host="127.0.0.1", port=0)
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        stop = portal.call(anyio.Event)
+        future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
+        with httpx.Client(base_url=address.url, timeout=10) as client:
+            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 5, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                portal.call(engine.kill, RuntimeError("boom"))
+                rest = [line for line in lines if line]
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_error"
+        assert rest[-1] == "data: [DONE]"
+        with pytest.raises(BaseException) as info:
+            future.result(timeout=10)
+        group = info.value
+        causes = group.exceptions if isinstance(group, BaseExceptionGroup) else [group]
+        assert any(isinstance(c, EngineDeadError) for c in causes)
