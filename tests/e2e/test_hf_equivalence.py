@@ -27,6 +27,8 @@ CASES = {
     "prefix_caching": dict(enable_prefix_caching=True, block_size=8),
     "no_prefix_caching": dict(enable_prefix_caching=False),
     "preemption": dict(num_gpu_blocks_override=18, block_size=8, max_num_seqs=8),
+    "swap": dict(num_gpu_blocks_override=18, block_size=8, max_num_seqs=8, preemption_mode="swap", swap_space=0.01),
+    "priority_policy": dict(scheduling_policy="priority", num_gpu_blocks_override=18, block_size=8),
     "block_8": dict(block_size=8),
     "block_32": dict(block_size=32),
     "max_num_seqs_1": dict(max_num_seqs=1),
@@ -64,7 +66,7 @@ def test_tiny_llama_matches_hf(case, tiny_llama, llama_reference):
     assert stats.num_used_blocks == 0, "every block must be back in the pool after the requests finish"
     if case == "prefix_caching":
         assert stats.prefix_cache_hits >= 40 - 8, "the shared 40-token prefix must be found in the cache"
-    if case == "preemption":
+    if case in ("preemption", "swap"):
         assert stats.num_preemptions > 0, "18 blocks of 8 tokens cannot hold this batch: it must preempt"
 
 
