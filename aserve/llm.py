@@ -53,13 +53,18 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(items)} prompts")
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"priority: got {len(priority)} values for {len(items)} prompts")
-        ids = []
-        for i, ((text, token_ids), params) in enumerate(zip(items, params_list)):
-            request_id = self.engine.next_request_id()
-            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
-                                    priority=priority[i] if priority else 0)
-            ids.append(request_id)
+        ids: list[str] = []
+        try:
+            for i, ((text, token_ids), params) in enumerate(zip(items, params_list)):
+                request_id = self.engine.next_request_id()
+                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
+                                        priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # one bad prompt rejects the call; nothing is left queued
+                self.engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

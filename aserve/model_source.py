@@ -148,7 +148,7 @@ def _gguf_cache_name(path: str) -> str:
 def _run_converter(gguf_path: str, dst: str) -> None:
     logger.info("Converting %s to a Hugging Face folder (once; takes about a minute)...", gguf_path)
     cmd = [sys.executable, "-m", "aserve.model.gguf_convert", gguf_path, dst]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
         raise ModelSourceError(f"--model: converting {gguf_path} failed (exit {proc.returncode}):\n{tail}")
@@ -205,7 +205,7 @@ def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, patt
         from huggingface_hub import snapshot_download
 
         return str(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns))
-    except Exception as e:  # every hub failure becomes one clear message
+    except Exception as e:  # noqa: BLE001 (every hub failure becomes one clear message)
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         hint = (" HF_HUB_OFFLINE is set and the model is not in the local cache."
                 if offline else " Check the repo id, --revision, your network and HF_TOKEN for gated repos.")

@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
-_WORDS = ("time year people way day man thing woman life child world school state family student group "
-          "country problem hand part place case week company system program question work government number "
-          "night point home water room mother area money story fact month lot right study book eye job word "
-          "business issue side kind head house service friend father power hour game line end member law car "
-          "city community name president team minute idea kid body information back parent face others level "
-          "office door health person art war history party result change morning reason research girl guy "
-          "moment air teacher force education").split()
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government number "
+    "night point home water room mother area money story fact month lot right study book eye job word "
+    "business issue side kind head house service friend father power hour game line end member law car "
+    "city community name president team minute idea kid body information back parent face others level "
+    "office door health person art war history party result change morning reason research girl guy "
+    "moment air teacher force education"
+).split()
 
 
 def make_dataset(num_prompts: int, words_per_prompt: int, seed: int) -> list[str]:
@@ -56,7 +58,7 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
 
     @property
     def tpot(self) -> float | None:
@@ -66,8 +68,13 @@ class RequestResult:
 
 
 def _body(args: argparse.Namespace, model: str, prompt: str) -> dict:
-    body: dict = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-                  "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -86,7 +93,9 @@ def _content(chunk: dict, endpoint: str) -> str:
     return choices[0].get("text") or ""
 
 
-async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompt: str) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompt: str
+) -> RequestResult:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     result = RequestResult(ok=False, start=time.perf_counter())
     chunks = 0
@@ -102,7 +111,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model
                 if not line.startswith("data: "):
                     result.error = f"bad SSE line {line[:80]!r}"
                     return result
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 if payload == "[DONE]":
                     result.ok = True
                     break
@@ -142,7 +151,9 @@ async def run(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, limits=limits, timeout=timeout
+    ) as client:
         model = await resolve_model(client, args.model)
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         arrival_rng = random.Random(args.seed + 1)
@@ -201,18 +212,24 @@ def summarize(results: list[RequestResult], duration: float, model: str, args: a
 
 
 def format_report(report: dict) -> str:
+    path = "chat/completions" if report["endpoint"] == "chat" else "completions"
+    concurrency = report["max_concurrency"] or "unlimited"
     lines = [
-        f"model {report['model']} via /v1/{'chat/completions' if report['endpoint'] == 'chat' else 'completions'}",
-        f"requests: {report['completed']} completed, {report['failed']} failed in {report['duration_s']:.2f} s "
-        f"(max concurrency {report['max_concurrency'] or 'unlimited'}, rate {report['request_rate']} req/s)",
+        f"model {report['model']} via /v1/{path}",
+        f"requests: {report['completed']} completed, {report['failed']} failed "
+        f"in {report['duration_s']:.2f} s (max concurrency {concurrency}, "
+        f"rate {report['request_rate']} req/s)",
         f"request throughput: {report['request_throughput']:.2f} req/s",
-        f"output token throughput: {report['output_throughput']:.1f} tok/s ({report['total_output_tokens']} tokens)",
+        f"output token throughput: {report['output_throughput']:.1f} tok/s "
+        f"({report['total_output_tokens']} tokens)",
         f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
         stats = report[key]
-        cells = "".join(f"{(stats[k] * 1000 if stats[k] is not None else float('nan')):>10.1f}"
-                        for k in ("mean", "p50", "p90", "p99"))
+        cells = "".join(
+            f"{(stats[k] * 1000 if stats[k] is not None else float('nan')):>10.1f}"
+            for k in ("mean", "p50", "p90", "p99")
+        )
         lines.append(f"{label:<12}{cells}")
     for error in report["errors"]:
         lines.append(f"error: {error}")
@@ -231,8 +248,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="vLLM extension: always generate --max-tokens")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals at this many requests/s (default: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals at this many requests/s (default: all at once)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json-out", default=None, help="also write the report as JSON to this file")

@@ -53,21 +53,92 @@ def reshape_and_cache(
     value_cache.index_copy_(0, slots, value)
 
 
-def _read_cache(cache: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """Dequantize a gathered (fp8) cache slice into `dtype`; a no-op for an unquantized cache."""
-    if is_fp8(cache.dtype):
-        out = cache.to(dtype)
-        return out * scale if scale != 1.0 else out
-    return cache if cache.dtype == dtype else cache.to(dtype)
+def gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gather whole blocks of one cache half `[num_blocks, bs, KVH, D]` for `num_seqs` sequences.
 
-
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """`cache` [num_blocks, bs, KVH, D], `block_tables` [B, nb] -> [B, KVH, nb * bs, D] (contiguous)."""
-    num_seqs, num_blocks = block_tables.shape
+    `block_ids`: flat int64 `[num_seqs * blocks_per_seq]`. Returns `[num_seqs, blocks_per_seq * bs, KVH, D]`
+    in the cache's dtype; written into `out` (a flat buffer with at least that many elements) when given.
+    """
     block_size, num_kv_heads, head_dim = cache.shape[1:]
-    gathered = cache.index_select(0, block_tables.reshape(-1).to(torch.int64))
-    gathered = gathered.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    return gathered.transpose(1, 2).contiguous()
+    fp8 = is_fp8(cache.dtype)
+    src = cache.view(torch.uint8) if fp8 else cache  # index_select has no fp8 kernels everywhere
+    shape = (block_ids.shape[0], block_size, num_kv_heads, head_dim)
+    if out is None:
+        gathered = src.index_select(0, block_ids)
+    else:
+        gathered = out.view(src.dtype)[: block_ids.shape[0] * block_size * num_kv_heads * head_dim].view(shape)
+        torch.index_select(src, 0, block_ids, out=gathered)
+    if fp8:
+        gathered = gathered.view(cache.dtype)
+    return gathered.view(num_seqs, -1, num_kv_heads, head_dim)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Read a (gathered) cache slice as `dtype`: fp8 values are multiplied by `scale`."""
+    if is_fp8(x.dtype):
+        out = x.to(dtype)
+        return out * scale if scale != 1.0 else out
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def decode_mask(seq_lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean `[B, max_len]`: key position k is visible to the query at `seq_lens[b] - 1`."""
+    pos = torch.arange(max_len, device=seq_lens.device).unsqueeze(0)
+    lens = seq_lens.to(torch.int64).unsqueeze(1)
+    mask = pos < lens
+    if sliding_window is not None:
+        mask &= pos >= lens - sliding_window
+    return mask
+
+
+def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """q `[B, H, D]` against keys/values `[B, L, KVH, D]` (any strides) under `mask` `[B, L]` -> `[B, H, D]`.
+
+    Each KV head's query group is treated as a short query sequence, so GQA needs no K/V expansion.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """One sequence: q `[q_len, H, D]` (the last q_len positions) against keys/values `[L, KVH, D]`.
+
+    `mask` `[q_len, L]` (see `causal_mask`), or None when q covers the whole context without a
+    window, which uses the plain causal kernel. Returns `[q_len, H, D]`.
+    """
+    query = q.transpose(0, 1).unsqueeze(0)
+    k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != keys.shape[1]
+    if mask is None:
+        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
+def prefill_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """The mask `attend_prefill` needs: None for a plain causal prefill, else `causal_mask`."""
+    if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
+        return None
+    return causal_mask(q_len, seq_len, sliding_window, device)
+
+
+def causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean `[q_len, seq_len]`: query j (at position seq_len - q_len + j) may see key k."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
 
 
 def paged_decode_attention(
@@ -83,26 +154,17 @@ def paged_decode_attention(
     """One query per sequence at position `seq_lens[b] - 1`, attending to its cached context.
 
     q `[B, H, D]`, block_tables `[B, max_blocks]` int32, seq_lens `[B]` int32 (>= 1). GQA: H % KVH == 0.
-    Only the first `max_blocks` blocks are read, so callers should trim the table to the longest
-    sequence. Returns `[B, H, D]` in q's dtype.
+    Every column of `block_tables` is read, so callers should trim it to the longest sequence.
+    Returns `[B, H, D]` in q's dtype.
     """
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs = q.shape[0]
     if num_seqs == 0:
         return q.new_empty(q.shape)
-    block_size = kv_cache.shape[2]
-    keys = _read_cache(_gather_blocks(kv_cache[0], block_tables), q.dtype, k_scale)
-    values = _read_cache(_gather_blocks(kv_cache[1], block_tables), q.dtype, v_scale)
-    max_len = block_tables.shape[1] * block_size
-    pos = torch.arange(max_len, device=q.device)
-    lens = seq_lens.to(torch.int64).unsqueeze(1)
-    mask = pos.unsqueeze(0) < lens  # [B, L]
-    if sliding_window is not None:
-        mask &= pos.unsqueeze(0) >= lens - sliding_window
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=num_heads != keys.shape[1],
-    )
-    return out.squeeze(2)
+    block_ids = block_tables.reshape(-1).to(torch.int64)
+    keys = dequantize(gather_kv(kv_cache[0], block_ids, num_seqs), q.dtype, k_scale)
+    values = dequantize(gather_kv(kv_cache[1], block_ids, num_seqs), q.dtype, v_scale)
+    mask = decode_mask(seq_lens, keys.shape[1], sliding_window)
+    return attend_decode(q, keys, values, mask, scale)
 
 
 def paged_prefill_attention(
@@ -127,37 +189,18 @@ def paged_prefill_attention(
     """
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
-    num_heads = q.shape[1]
     block_size = kv_cache.shape[2]
     out = torch.empty_like(q)
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
+        if q_end == q_start:
             continue
-        num_blocks = -(-seq_len // block_size)
-        table = block_tables[i, :num_blocks]
-        keys = _read_cache(_gather_blocks(kv_cache[0], table.unsqueeze(0)), q.dtype, k_scale)[..., :seq_len, :]
-        values = _read_cache(_gather_blocks(kv_cache[1], table.unsqueeze(0)), q.dtype, v_scale)[..., :seq_len, :]
-        query = q[q_start:q_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        gqa = num_heads != keys.shape[1]
-        if seq_len == q_len and (sliding_window is None or sliding_window >= seq_len):
-            res = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            mask = causal_mask(q_len, seq_len, sliding_window, q.device)
-            res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[q_start:q_end] = res[0].transpose(0, 1)
+        block_ids = block_tables[i, : -(-seq_len // block_size)].to(torch.int64)
+        keys = dequantize(gather_kv(kv_cache[0], block_ids, 1)[0, :seq_len], q.dtype, k_scale)
+        values = dequantize(gather_kv(kv_cache[1], block_ids, 1)[0, :seq_len], q.dtype, v_scale)
+        mask = prefill_mask(q_end - q_start, seq_len, sliding_window, q.device)
+        out[q_start:q_end] = attend_prefill(q[q_start:q_end], keys, values, mask, scale)
     return out
-
-
-def causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """Boolean `[q_len, seq_len]`: query j (at position seq_len - q_len + j) may see key k."""
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
 
 
 def rms_norm(

@@ -29,27 +29,35 @@ import time
 
 from locust import HttpUser, between, events, task
 
-_WORDS = ("time year people way day man thing woman life child world school state family student group "
-          "country problem hand part place case week company system program question work government number "
-          "night point home water room mother area money story fact month lot right study book eye job word "
-          "business issue side kind head house service friend father power hour game line end member law car "
-          "city community name president team minute idea kid body information back parent face others level "
-          "office door health person art war history party result change morning reason research girl guy "
-          "moment air teacher force education").split()
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government number "
+    "night point home water room mother area money story fact month lot right study book eye job word "
+    "business issue side kind head house service friend father power hour game line end member law car "
+    "city community name president team minute idea kid body information back parent face others level "
+    "office door health person art war history party result change morning reason research girl guy "
+    "moment air teacher force education"
+).split()
 
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser) -> None:
     group = parser.add_argument_group("aserve load test")
-    group.add_argument("--model", default="", env_var="ASERVE_LT_MODEL", help="model name (default: first served)")
+    group.add_argument(
+        "--model", default="", env_var="ASERVE_LT_MODEL", help="model name (default: first served)"
+    )
     group.add_argument("--max-tokens", type=int, default=64, env_var="ASERVE_LT_MAX_TOKENS")
     group.add_argument("--prompt", default="", env_var="ASERVE_LT_PROMPT", help="a fixed prompt")
     group.add_argument("--prompt-words", type=int, default=200, env_var="ASERVE_LT_PROMPT_WORDS")
     group.add_argument("--temperature", type=float, default=0.0, env_var="ASERVE_LT_TEMPERATURE")
     group.add_argument("--ignore-eos", action="store_true", default=False, env_var="ASERVE_LT_IGNORE_EOS")
     group.add_argument("--api-key", default="", env_var="ASERVE_LT_API_KEY")
-    group.add_argument("--no-itl-entries", action="store_true", default=False,
-                       help="do not report every inter-token gap as its own entry")
+    group.add_argument(
+        "--no-itl-entries",
+        action="store_true",
+        default=False,
+        help="do not report every inter-token gap as its own entry",
+    )
     group.add_argument("--wait-min", type=float, default=0.0)
     group.add_argument("--wait-max", type=float, default=0.5)
 
@@ -59,9 +67,17 @@ def synthetic_prompt(rng: random.Random, num_words: int) -> str:
     return f"Summarize the following notes in one paragraph: {words}"
 
 
-def _fire(environment, name: str, seconds: float, length: int = 0, exception: Exception | None = None) -> None:
-    environment.events.request.fire(request_type="SSE", name=name, response_time=seconds * 1000.0,
-                                    response_length=length, exception=exception, context={})
+def _fire(
+    environment, name: str, seconds: float, length: int = 0, exception: Exception | None = None
+) -> None:
+    environment.events.request.fire(
+        request_type="SSE",
+        name=name,
+        response_time=seconds * 1000.0,
+        response_length=length,
+        exception=exception,
+        context={},
+    )
 
 
 class ChatStreamUser(HttpUser):
@@ -77,7 +93,9 @@ class ChatStreamUser(HttpUser):
         self.headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
         self.model = opts.model
         if not self.model:
-            with self.client.get("/v1/models", headers=self.headers, name="models", catch_response=True) as resp:
+            with self.client.get(
+                "/v1/models", headers=self.headers, name="models", catch_response=True
+            ) as resp:
                 if resp.status_code != 200:
                     resp.failure(f"GET /v1/models: {resp.status_code}")
                     return
@@ -86,9 +104,14 @@ class ChatStreamUser(HttpUser):
     def _body(self) -> dict:
         opts = self.environment.parsed_options
         prompt = opts.prompt or synthetic_prompt(self.rng, opts.prompt_words)
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": opts.max_tokens, "temperature": opts.temperature, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": opts.max_tokens,
+            "temperature": opts.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if opts.ignore_eos:
             body["ignore_eos"] = True
         return body
@@ -102,8 +125,14 @@ class ChatStreamUser(HttpUser):
         gaps: list[float] = []
         num_chunks = 0
         completion_tokens = None
-        with self.client.post("/v1/chat/completions", json=self._body(), headers=self.headers, stream=True,
-                              catch_response=True, name="chat.completions (stream)") as resp:
+        with self.client.post(
+            "/v1/chat/completions",
+            json=self._body(),
+            headers=self.headers,
+            stream=True,
+            catch_response=True,
+            name="chat.completions (stream)",
+        ) as resp:
             try:
                 if resp.status_code != 200:
                     resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -116,7 +145,7 @@ class ChatStreamUser(HttpUser):
                     if not line.startswith("data: "):
                         resp.failure(f"not an SSE data line: {line[:80]!r}")
                         return
-                    payload = line[len("data: "):]
+                    payload = line[len("data: ") :]
                     if payload == "[DONE]":
                         done = True
                         break

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         convert_gguf(src, dst)
-    except Exception as e:  # reported to the parent process, which raises a clear error
+    except Exception as e:  # noqa: BLE001 (reported to the parent process, which raises a clear error)
         print(f"gguf_convert: failed to convert {src}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,8 +1,9 @@
 """Fixed-shape decode batches: capture sizes, padding, and CUDA graph capture / replay.
 
 Decode-only batches are padded to the next capture size (1, 2, 4, 8, then steps of 8 up to
-`max_num_seqs`). On CUDA (unless --enforce-eager) one graph per size is captured at start-up,
-largest first, into one shared memory pool, and replayed with inputs copied into static buffers.
+`max_num_seqs`). On CUDA with the triton attention backend (unless --enforce-eager) one graph
+per size is captured at start-up, largest first, into one shared memory pool, and replayed with
+inputs copied into static buffers.
 Prefill batches, oversize batches and contexts longer than `max_seq_len_to_capture` run eagerly.
 On CPU the same padding path can be forced (tests prove padding never changes a result).
 """
@@ -12,8 +13,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -39,7 +40,7 @@ def padded_size(sizes: list[int], num_seqs: int) -> int | None:
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: torch.cuda.CUDAGraph
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
@@ -72,12 +73,16 @@ class CudaGraphRunner:
         self._block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
 
     def _meta(self, size: int) -> AttentionMetadata:
+        """The metadata a graph is captured with. Its host fields are frozen into the graph (backends
+        size work from them: the torch backend trims block tables to `max(seq_lens_cpu)`, the triton
+        one picks its context splits), so they describe the largest context a replay may hold,
+        never the dummy capture inputs; the device tensors are the static buffers replays fill."""
         return AttentionMetadata(
             num_tokens=size, num_seqs=size, num_decodes=size, num_decode_tokens=size,
             slot_mapping=self._slots[:size], query_start_loc=self._qsl[: size + 1],
             seq_lens=self._seq_lens[:size], block_tables=self._block_tables[:size],
             max_query_len=1, max_seq_len=self.max_seq_len_to_capture,
-            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[1] * size,
+            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[self.max_seq_len_to_capture] * size,
             sliding_window=self.sliding_window,
         )
 

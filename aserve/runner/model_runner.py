@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from aserve.config import GiB, AserveConfig
+from aserve.config import AserveConfig, GiB
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -22,6 +22,8 @@ from aserve.runner.sampler import RowSamplingState, Sampler, compute_prompt_logp
 logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Attention backends whose forward never syncs with the host, so a CUDA graph can capture it.
+_GRAPH_CAPTURABLE_BACKENDS = ("triton",)
 
 
 def make_attention_backend(name: str):
@@ -73,23 +75,33 @@ class ModelRunner:
         elem = torch.empty((), dtype=self._kv_dtype()).element_size()
         return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
 
+    def run_profile_step(self) -> None:
+        """Run the largest step the scheduler can emit once: `max_num_batched_tokens` prompt tokens
+        (at most `max_num_seqs` prompts of at most `max_model_len`), through a scratch KV cache, plus
+        the LM head over one row per sequence. Before `initialize_kv_cache` the scratch cache stays
+        bound until the real one replaces it."""
+        sched = self.config.scheduler
+        max_len = self.config.model.max_model_len
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
+        dummy, num_blocks = ModelInputsForProfile.make(num_tokens, max_len, self.block_size, self.device)
+        a = self.arch
+        scratch = [torch.zeros((2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim),
+                               dtype=self._kv_dtype(), device=self.device) for _ in range(a.num_hidden_layers)]
+        with torch.inference_mode():
+            self.model.bind_kv_caches(scratch)
+            try:
+                hidden = self.model(dummy.input_ids, dummy.positions, dummy.meta)
+                self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
+            finally:
+                if self.kv_caches:  # already initialized: put the real cache back
+                    self.model.bind_kv_caches(self.kv_caches)
+
     def _profile_num_blocks(self, per_block: int) -> int:
-        """CUDA: run the largest batch once, then give what `gpu_memory_utilization` leaves to KV blocks."""
+        """CUDA: profile the largest step, then give what `gpu_memory_utilization` leaves to KV blocks."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        n = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
-        dummy = ModelInputsForProfile.make(n, self.block_size, self.device)
-        with torch.inference_mode():
-            # No KV cache is bound yet: bind a one-block scratch cache so the forward can run.
-            scratch = [torch.zeros((2, 1 + math.ceil(n / self.block_size), self.block_size,
-                                    self.arch.num_key_value_heads, self.arch.head_dim),
-                                   dtype=self._kv_dtype(), device=self.device)
-                       for _ in range(self.arch.num_hidden_layers)]
-            self.model.bind_kv_caches(scratch)
-            hidden = self.model(dummy.input_ids, dummy.positions, dummy.meta)
-            self.model.compute_logits(hidden[-min(n, self.config.scheduler.max_num_seqs):])
-            torch.cuda.synchronize()
-            del scratch, hidden
+        self.run_profile_step()
+        torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * self.config.cache.gpu_memory_utilization - peak
@@ -131,11 +143,18 @@ class ModelRunner:
                           attention_backend=self.backend.name)
 
     def capture_graphs(self) -> None:
+        """CUDA, unless enforce_eager: capture the decode graphs. Only host-sync-free backends can be
+        captured; the torch backend checks its slots on the host, so with it decode stays eager."""
         if self.device.type != "cuda" or self.config.runner.enforce_eager:
             return
+        if self.backend.name not in _GRAPH_CAPTURABLE_BACKENDS:
+            logger.warning("CUDA graphs need the triton attention backend; the %s backend runs decode eagerly",
+                           self.backend.name)
+            return
+        # No sequence outgrows max_model_len: a smaller cap keeps the captured decode work small.
+        max_len = min(self.config.runner.max_seq_len_to_capture, self.config.model.max_model_len)
         self.graph_runner = CudaGraphRunner(
-            self.model, self.static_sizes, self.max_blocks_per_seq,
-            self.config.runner.max_seq_len_to_capture, self.device, self.arch.sliding_window)
+            self.model, self.static_sizes, self.max_blocks_per_seq, max_len, self.device, self.arch.sliding_window)
         seconds = self.graph_runner.capture()
         logger.info("Captured CUDA graphs for decode batch sizes %s in %.1fs", self.static_sizes, seconds)
 
@@ -231,20 +250,33 @@ class ModelRunner:
 
 
 class ModelInputsForProfile:
-    """A single-sequence prefill of `n` tokens used only by the memory-profiling pass."""
+    """The memory-profiling step: fresh prefills totalling `num_tokens`, each at most `max_seq_len` long."""
 
     @staticmethod
-    def make(n: int, block_size: int, device: torch.device) -> ModelInputs:
+    def make(num_tokens: int, max_seq_len: int, block_size: int, device: torch.device) -> tuple[ModelInputs, int]:
+        """Returns the inputs and the number of blocks their scratch KV cache needs (block 0 stays unused)."""
         from aserve.model.attention.base import AttentionMetadata
 
-        blocks = math.ceil(n / block_size)
+        lens = [max_seq_len] * (num_tokens // max_seq_len)
+        if num_tokens % max_seq_len:
+            lens.append(num_tokens % max_seq_len)
+        blocks = [math.ceil(n / block_size) for n in lens]
+        table = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
+        slots, positions, starts = [], [], [0]
+        next_block = 1
+        for i, (n, b) in enumerate(zip(lens, blocks)):
+            table[i, :b] = torch.arange(next_block, next_block + b, dtype=torch.int32)
+            slots.append(torch.arange(next_block * block_size, next_block * block_size + n, dtype=torch.int64))
+            positions.append(torch.arange(n, dtype=torch.int64))
+            starts.append(starts[-1] + n)
+            next_block += b
         meta = AttentionMetadata(
-            num_tokens=n, num_seqs=1, num_decodes=0, num_decode_tokens=0,
-            slot_mapping=torch.arange(block_size, block_size + n, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-            block_tables=torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None],
-            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
-        ids = torch.zeros(n, dtype=torch.int64, device=device)
-        pos = torch.arange(n, dtype=torch.int64, device=device)
-        return ModelInputs(ids, pos, meta, [], [], [], [], {})
+            num_tokens=num_tokens, num_seqs=len(lens), num_decodes=0, num_decode_tokens=0,
+            slot_mapping=torch.cat(slots).to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=list(lens))
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        inputs = ModelInputs(ids, torch.cat(positions).to(device), meta, [], [], [], [], {})
+        return inputs, next_block

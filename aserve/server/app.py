@@ -29,7 +29,7 @@ def _route_path(scope: Scope) -> str:
     path: str = scope["path"]
     root = scope.get("root_path", "")
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 
@@ -61,8 +61,11 @@ class GateMiddleware:
                     given = value
                     break
             if not hmac.compare_digest(given, self._expected):
-                await APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key").to_response()(scope, receive, send)
+                await APIError(
+                    401,
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                ).to_response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -107,8 +110,13 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
         Route("/detokenize", misc.detokenize, methods=["POST"]),
     ]
     middleware = [
-        Middleware(CORSMiddleware, allow_origins=list(args.allowed_origins), allow_methods=list(args.allowed_methods),
-                   allow_headers=list(args.allowed_headers), allow_credentials=args.allow_credentials),
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(args.allowed_origins),
+            allow_methods=list(args.allowed_methods),
+            allow_headers=list(args.allowed_headers),
+            allow_credentials=args.allow_credentials,
+        ),
         Middleware(GateMiddleware, state=state),
     ]
     app = Starlette(

@@ -33,7 +33,7 @@ _ENGINE_HELP = {
     "disable_async_output_proc": "do not overlap output processing with the next step",
     "enforce_eager": "never capture CUDA graphs",
     "hf_overrides": "JSON object merged into the model's config.json",
-    "rope_scaling": "JSON object, e.g. '{\"rope_type\": \"linear\", \"factor\": 2.0}'",
+    "rope_scaling": 'JSON object, e.g. \'{"rope_type": "linear", "factor": 2.0}\'',
     "disable_log_stats": "no periodic stats log line",
     "tensor_parallel_size": "tensor-parallel degree (only 1 is implemented)",
     "pipeline_parallel_size": "pipeline-parallel degree (only 1 is implemented)",
@@ -140,45 +140,78 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server arguments")
     g.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (also env ASERVE_API_KEY or VLLM_API_KEY)")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template file or inline jinja template (overrides the tokenizer's)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (also env ASERVE_API_KEY or VLLM_API_KEY)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template file or inline jinja template (overrides the tokenizer's)",
+    )
     g.add_argument("--response-role", default="assistant", help="role of generated chat messages")
-    g.add_argument("--allowed-origins", type=_json_str_list("--allowed-origins"), default=("*",),
-                   help="CORS origins, a JSON list (default: [\"*\"])")
-    g.add_argument("--allowed-methods", type=_json_str_list("--allowed-methods"), default=("*",),
-                   help="CORS methods, a JSON list (default: [\"*\"])")
-    g.add_argument("--allowed-headers", type=_json_str_list("--allowed-headers"), default=("*",),
-                   help="CORS headers, a JSON list (default: [\"*\"])")
+    g.add_argument(
+        "--allowed-origins",
+        type=_json_str_list("--allowed-origins"),
+        default=("*",),
+        help='CORS origins, a JSON list (default: ["*"])',
+    )
+    g.add_argument(
+        "--allowed-methods",
+        type=_json_str_list("--allowed-methods"),
+        default=("*",),
+        help='CORS methods, a JSON list (default: ["*"])',
+    )
+    g.add_argument(
+        "--allowed-headers",
+        type=_json_str_list("--allowed-headers"),
+        default=("*",),
+        help='CORS headers, a JSON list (default: ["*"])',
+    )
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     g.add_argument("--root-path", default="", help="path prefix when served behind a path-based proxy")
     g.add_argument("--ssl-keyfile", default=None, help="TLS private key file")
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (to verify clients)")
-    g.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS,
-                   help="log level of the HTTP server (hypercorn); vLLM's flag name")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=_LOG_LEVELS,
+        help="log level of the HTTP server (hypercorn); vLLM's flag name",
+    )
     g.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="log level of aserve")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
-    g.add_argument("--max-log-len", type=int, default=None,
-                   help="cut logged prompts (characters) and prompt token ids to this length")
-    g.add_argument("--stats-log-interval", type=float, default=5.0,
-                   help="seconds between stats log lines (default: 5)")
-    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGINT/SIGTERM (default: 30)")
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="cut logged prompts (characters) and prompt token ids to this length",
+    )
+    g.add_argument(
+        "--stats-log-interval", type=float, default=5.0, help="seconds between stats log lines (default: 5)"
+    )
+    g.add_argument(
+        "--shutdown-grace-period",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGINT/SIGTERM (default: 30)",
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="aserve", description="OpenAI-compatible LLM server (aserve).",
+        prog="aserve",
+        description="OpenAI-compatible LLM server (aserve).",
     )
     add_engine_arguments(parser)
     add_server_arguments(parser)
     return parser
 
 
-def split_namespace(ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None
-                    ) -> tuple[EngineArgs, ServerArgs]:
+def split_namespace(
+    ns: argparse.Namespace, environ: typing.Mapping[str, str] | None = None
+) -> tuple[EngineArgs, ServerArgs]:
     """Split parsed flags into `EngineArgs` and `ServerArgs` (the API key may come from the environment)."""
     environ = os.environ if environ is None else environ
     values = vars(ns)
@@ -216,8 +249,9 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"--root-path: must start with '/' and not end with '/', got {args.root_path!r}")
 
 
-def parse_args(argv: list[str] | None = None, environ: typing.Mapping[str, str] | None = None
-               ) -> tuple[EngineArgs, ServerArgs]:
+def parse_args(
+    argv: list[str] | None = None, environ: typing.Mapping[str, str] | None = None
+) -> tuple[EngineArgs, ServerArgs]:
     parser = make_parser()
     ns = parser.parse_args(argv)
     try:

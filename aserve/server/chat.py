@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
 from msgspec import UNSET
@@ -53,8 +54,10 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text":
-                    raise unsupported(f"messages[{i}].content[{j}].type",
-                                      f"only text content parts are served, got {part.type!r}")
+                    raise unsupported(
+                        f"messages[{i}].content[{j}].type",
+                        f"only text content parts are served, got {part.type!r}",
+                    )
                 if part.text is None:
                     raise bad_request("a text part needs `text`", param=f"messages[{i}].content[{j}].text")
                 texts.append(part.text)
@@ -74,7 +77,9 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "structured output (json_object / json_schema) is not implemented")
+        raise unsupported(
+            "response_format", "structured output (json_object / json_schema) is not implemented"
+        )
     if req.tools:
         raise unsupported("tools", "tool calling is not implemented")
     if req.tool_choice not in (None, "none"):
@@ -89,7 +94,9 @@ def _top_logprobs(req: ChatCompletionRequest) -> int | None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:
-            raise bad_request(f"must be in [0, {_MAX_TOP_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs")
+            raise bad_request(
+                f"must be in [0, {_MAX_TOP_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
+            )
     if not req.logprobs:
         return None
     return req.top_logprobs or 0
@@ -120,18 +127,32 @@ async def create_chat_completion(request: Request) -> Response:
     top_logprobs = _top_logprobs(req)
     conversation = to_conversation(req.messages)
     prompt, prompt_ids = await state.run_blocking(
-        state.renderer.render_and_tokenize, conversation, add_special_tokens=req.add_special_tokens,
-        add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-        chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
-    prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens)
+        state.renderer.render_and_tokenize,
+        conversation,
+        add_special_tokens=req.add_special_tokens,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template=req.chat_template,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
+    kept = truncate_prompt(prompt_ids, req.truncate_prompt_tokens)
+    if len(kept) < len(prompt_ids):  # the rendered text no longer matches the ids the model sees
+        prompt, prompt_ids = None, kept
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     defaults = state.generation_defaults
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), state.max_model_len, "messages", max_tokens_param,
-                                    default=defaults.get("max_tokens"))
+    max_tokens = resolve_max_tokens(
+        requested,
+        len(prompt_ids),
+        state.max_model_len,
+        "messages",
+        max_tokens_param,
+        default=defaults.get("max_tokens"),
+    )
     stream = bool(req.stream)
-    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=top_logprobs, stream=stream,
-                                   defaults=defaults)
+    params = build_sampling_params(
+        req, max_tokens=max_tokens, logprobs=top_logprobs, stream=stream, defaults=defaults
+    )
 
     role = state.args.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo_text = ""
@@ -139,8 +160,20 @@ async def create_chat_completion(request: Request) -> Response:
         echo_text = conversation[-1]["content"]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     outputs = state.add_request(request_id, prompt, prompt_ids, params, req.priority, prompt_param="messages")
-    job = _ChatJob(state, request_id, model, int(time.time()), role, echo_text, len(prompt_ids), params.n,
-                   top_logprobs, include_usage, continuous_usage, outputs)
+    job = _ChatJob(
+        state,
+        request_id,
+        model,
+        int(time.time()),
+        role,
+        echo_text,
+        len(prompt_ids),
+        params.n,
+        top_logprobs,
+        include_usage,
+        continuous_usage,
+        outputs,
+    )
     if stream:
         return SSEResponse(lambda emit: _stream(job, emit))
     response = await call_until_disconnect(request.receive, lambda: _collect(job))
@@ -175,16 +208,29 @@ async def _collect(job: _ChatJob) -> ChatCompletionResponse:
     for i in indices:
         logprobs = None
         if job.top_logprobs is not None:
-            logprobs = ChatLogprobs(content=chat_logprobs(state.decode_token, token_ids[i], positions.get(i),
-                                                          job.top_logprobs))
+            logprobs = ChatLogprobs(
+                content=chat_logprobs(state.decode_token, token_ids[i], positions.get(i), job.top_logprobs)
+            )
         reason, stop_reason = finish[i]
         content = job.echo_text + "".join(texts[i])
-        choices.append(ChatChoice(index=i, message=ChatResponseMessage(role=job.role, content=content),
-                                  logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason))
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(role=job.role, content=content),
+                logprobs=logprobs,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+            )
+        )
     num_completion = sum(len(token_ids[i]) for i in indices)
-    return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model,
-                                  system_fingerprint=state.system_fingerprint, choices=choices,
-                                  usage=usage(job.num_prompt_tokens, num_completion))
+    return ChatCompletionResponse(
+        id=job.request_id,
+        created=job.created,
+        model=job.model,
+        system_fingerprint=state.system_fingerprint,
+        choices=choices,
+        usage=usage(job.num_prompt_tokens, num_completion),
+    )
 
 
 async def _stream(job: _ChatJob, emit: Emit) -> None:
@@ -192,8 +238,13 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
     num_completion = 0
 
     def chunk(choices: list[ChatChunkChoice]) -> bytes:
-        c = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
-                                system_fingerprint=state.system_fingerprint, choices=choices)
+        c = ChatCompletionChunk(
+            id=job.request_id,
+            created=job.created,
+            model=job.model,
+            system_fingerprint=state.system_fingerprint,
+            choices=choices,
+        )
         if job.continuous_usage:
             c.usage = usage(job.num_prompt_tokens, num_completion)
         elif job.include_usage:
@@ -202,11 +253,15 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
 
     done = False
     try:
-        first = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
-                 for i in range(job.n)]
+        first = [
+            chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
+            for i in range(job.n)
+        ]
         if job.echo_text:
-            first += [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=job.echo_text))])
-                      for i in range(job.n)]
+            first += [
+                chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=job.echo_text))])
+                for i in range(job.n)
+            ]
         await emit(b"".join(first))
         async for out in job.outputs:
             events = []
@@ -216,12 +271,23 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
                     continue
                 logprobs = None
                 if job.top_logprobs is not None and c.token_ids:
-                    logprobs = ChatLogprobs(content=chat_logprobs(state.decode_token, c.token_ids, c.logprobs,
-                                                                  job.top_logprobs))
+                    logprobs = ChatLogprobs(
+                        content=chat_logprobs(state.decode_token, c.token_ids, c.logprobs, job.top_logprobs)
+                    )
                 finished = c.finish_reason is not None
-                events.append(chunk([ChatChunkChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason if finished else UNSET)]))
+                events.append(
+                    chunk(
+                        [
+                            ChatChunkChoice(
+                                index=c.index,
+                                delta=DeltaMessage(content=c.text),
+                                logprobs=logprobs,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason if finished else UNSET,
+                            )
+                        ]
+                    )
+                )
             if out.finished:
                 done = True
             if events:
@@ -230,9 +296,14 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
                 break
         tail = []
         if job.include_usage:
-            final = ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
-                                        system_fingerprint=state.system_fingerprint, choices=[],
-                                        usage=usage(job.num_prompt_tokens, num_completion))
+            final = ChatCompletionChunk(
+                id=job.request_id,
+                created=job.created,
+                model=job.model,
+                system_fingerprint=state.system_fingerprint,
+                choices=[],
+                usage=usage(job.num_prompt_tokens, num_completion),
+            )
             tail.append(event(encoder.encode(final)))
         tail.append(DONE)
         await emit(b"".join(tail))

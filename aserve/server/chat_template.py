@@ -109,14 +109,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -151,47 +159,75 @@ class ChatRenderer:
             try:
                 template = self._env.from_string(source)
             except jinja2.TemplateSyntaxError as exc:
-                raise bad_request(f"the chat template has a syntax error: {exc}", param="chat_template",
-                                  code="invalid_chat_template") from None
+                raise bad_request(
+                    f"the chat template has a syntax error: {exc}",
+                    param="chat_template",
+                    code="invalid_chat_template",
+                ) from None
             self._compiled[source] = template
             while len(self._compiled) > _MAX_COMPILED:
                 self._compiled.popitem(last=False)
         return template
 
-    def render(self, conversation: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, chat_template: str | None = None,
-               chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    def render(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The prompt text for `conversation`; raises APIError(400) naming the field on bad input."""
         if add_generation_prompt and continue_final_message:
-            raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
-                              param="continue_final_message")
+            raise bad_request(
+                "add_generation_prompt and continue_final_message cannot both be true",
+                param="continue_final_message",
+            )
         source = chat_template or (self.default.template if self.default else None)
         if source is None:
-            raise APIError(400, "this model has no chat template (none in its tokenizer config and no "
-                           "--chat-template given, and no bundled template fits its tokenizer); start the "
-                           "server with --chat-template or pass `chat_template` in the request",
-                           param="chat_template", code="no_chat_template")
+            raise APIError(
+                400,
+                "this model has no chat template (none in its tokenizer config and no "
+                "--chat-template given, and no bundled template fits its tokenizer); start the "
+                "server with --chat-template or pass `chat_template` in the request",
+                param="chat_template",
+                code="no_chat_template",
+            )
         kwargs = dict(chat_template_kwargs or {})
         reserved = _RESERVED_KWARGS & kwargs.keys()
         if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs")
-        context = {**self._special, **kwargs, "messages": conversation,
-                   "add_generation_prompt": add_generation_prompt and not continue_final_message, "tools": None}
+            raise bad_request(
+                f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
+            )
+        context = {
+            **self._special,
+            **kwargs,
+            "messages": conversation,
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+            "tools": None,
+        }
         try:
             text = self._compile(source).render(**context)
         except APIError:
             raise
         except jinja2.TemplateError as exc:
-            raise bad_request(f"chat template error: {exc}", param="messages", code="chat_template_error") from None
+            raise bad_request(
+                f"chat template error: {exc}", param="messages", code="chat_template_error"
+            ) from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise bad_request(f"chat template failed on these messages: {type(exc).__name__}: {exc}",
-                              param="messages", code="chat_template_error") from None
+            raise bad_request(
+                f"chat template failed on these messages: {type(exc).__name__}: {exc}",
+                param="messages",
+                code="chat_template_error",
+            ) from None
         if continue_final_message:
             text = _cut_after_final_message(text, conversation)
         return text
 
-    def render_and_tokenize(self, conversation: list[dict[str, Any]], *, add_special_tokens: bool = False,
-                            **render_kwargs: Any) -> tuple[str, list[int]]:
+    def render_and_tokenize(
+        self, conversation: list[dict[str, Any]], *, add_special_tokens: bool = False, **render_kwargs: Any
+    ) -> tuple[str, list[int]]:
         text = self.render(conversation, **render_kwargs)
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -199,11 +235,14 @@ class ChatRenderer:
 def _cut_after_final_message(text: str, conversation: list[dict[str, Any]]) -> str:
     final = conversation[-1].get("content") if conversation else None
     if not isinstance(final, str) or not final.strip():
-        raise bad_request("continue_final_message needs a final message with text content",
-                          param="continue_final_message")
+        raise bad_request(
+            "continue_final_message needs a final message with text content", param="continue_final_message"
+        )
     for needle in (final, final.strip()):
         idx = text.rfind(needle)
         if idx >= 0:
             return text[: idx + len(needle)]
-    raise bad_request("continue_final_message: the final message's text does not appear in the rendered "
-                      "template", param="continue_final_message")
+    raise bad_request(
+        "continue_final_message: the final message's text does not appear in the rendered template",
+        param="continue_final_message",
+    )

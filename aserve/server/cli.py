@@ -8,16 +8,23 @@ import sys
 
 from aserve.config import ConfigError
 from aserve.server.args import ServerArgs, make_parser, parse_args
-from aserve.server.launch import python_log_level, run
 from aserve.server.chat_template import load_flag_template
+from aserve.server.launch import python_log_level, run
 
 logger = logging.getLogger("aserve.server")
 
 
 def configure_logging(args: ServerArgs) -> None:
-    logging.basicConfig(level=python_log_level(args.log_level),
-                        format="%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=python_log_level(args.log_level),
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
     logging.getLogger("aserve").setLevel(python_log_level(args.log_level))
+
+
+class StartupError(Exception):
+    """The engine could not be built from the given arguments (bad --model, bad engine argument)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,19 +38,21 @@ def main(argv: list[str] | None = None) -> int:
             make_parser().error(str(exc))
 
     def build_engine():
-        # Imported here: the server package imports no engine internals at module level.
+        # Imported here: importing the server loads no engine internals until an engine is built.
         async_engine = importlib.import_module("aserve.engine.async_engine")
-        return async_engine.AsyncEngine.from_engine_args(engine_args)
+        try:
+            return async_engine.AsyncEngine.from_engine_args(engine_args)
+        except ValueError as exc:  # ConfigError, ModelSourceError: the message names the argument
+            raise StartupError(str(exc)) from exc
 
     try:
         run(build_engine, server_args)
-    except ConfigError as exc:
-        make_parser().error(str(exc))
+    except StartupError as exc:
+        print(f"aserve: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 0
-    except BaseException as exc:  # the engine died or could not start
-        if isinstance(exc, SystemExit):
-            raise
+    except Exception:  # the engine died or could not start
         logger.exception("aserve stopped on an error")
         return 1
     return 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import msgspec
@@ -103,8 +104,9 @@ def _reject_unsupported(req: CompletionRequest) -> None:
         raise unsupported("prompt_logprobs", "not available when streaming")
 
 
-def _tokenize_all(tokenizer: Any, prompts: list[str | list[int]], add_special_tokens: bool
-                  ) -> list[tuple[str, list[int]]]:
+def _tokenize_all(
+    tokenizer: Any, prompts: list[str | list[int]], add_special_tokens: bool
+) -> list[tuple[str, list[int]]]:
     out = []
     for p in prompts:
         if isinstance(p, str):
@@ -131,26 +133,51 @@ async def create_completion(request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts: list[_Prompt] = []
     try:
-        for i, (raw, (text, ids)) in enumerate(zip(raw_prompts, tokenized)):
+        for i, (raw, (text, ids)) in enumerate(zip(raw_prompts, tokenized, strict=True)):
             param = "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]"
             if not ids:
                 raise bad_request("the prompt is empty after tokenization", param=param)
-            ids = truncate_prompt(ids, req.truncate_prompt_tokens)
+            kept = truncate_prompt(ids, req.truncate_prompt_tokens)
+            if len(kept) < len(ids):  # the text no longer matches: echo what the model saw
+                raw, text, ids = kept, await state.run_blocking(state.tokenizer.decode, kept), kept
             max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, param)
-            params = build_sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs, stream=stream,
-                                           best_of=req.best_of, prompt_logprobs=prompt_logprobs,
-                                           defaults=state.generation_defaults)
+            params = build_sampling_params(
+                req,
+                max_tokens=max_tokens,
+                logprobs=req.logprobs,
+                stream=stream,
+                best_of=req.best_of,
+                prompt_logprobs=prompt_logprobs,
+                defaults=state.generation_defaults,
+            )
             entry = _Prompt(i, f"{request_id}-{i}", text, ids)
-            entry.outputs = state.add_request(entry.request_id, text if isinstance(raw, str) else None, ids, params,
-                                              req.priority, prompt_param=param)
+            entry.outputs = state.add_request(
+                entry.request_id,
+                text if isinstance(raw, str) else None,
+                ids,
+                params,
+                req.priority,
+                prompt_param=param,
+            )
             prompts.append(entry)
     except BaseException:
         for p in prompts:
             await state.abort(p.request_id)
         raise
 
-    job = _CompletionJob(state, request_id, model, int(time.time()), prompts, params.n, echo, req.logprobs,
-                         req.prompt_logprobs, include_usage, continuous_usage)
+    job = _CompletionJob(
+        state,
+        request_id,
+        model,
+        int(time.time()),
+        prompts,
+        params.n,
+        echo,
+        req.logprobs,
+        req.prompt_logprobs,
+        include_usage,
+        continuous_usage,
+    )
     if stream:
         return SSEResponse(lambda emit: _stream(job, emit))
     response = await call_until_disconnect(request.receive, lambda: _collect(job))
@@ -199,6 +226,7 @@ async def _collect(job: _CompletionJob) -> CompletionResponse:
     results: list[Any] = [None] * len(job.prompts)
     try:
         async with anyio.create_task_group() as tg:
+
             async def run(p: _Prompt) -> None:
                 results[p.index] = await _collect_prompt(p)
 
@@ -211,7 +239,7 @@ async def _collect(job: _CompletionJob) -> CompletionResponse:
 
     choices: list[CompletionChoice] = []
     num_completion = 0
-    for p, (samples, prompt_positions) in zip(job.prompts, results):
+    for p, (samples, prompt_positions) in zip(job.prompts, results, strict=True):
         indices = sorted(samples)
         if len(indices) > job.n:  # best_of surplus: keep the n most likely
             indices = sorted(sorted(indices, key=lambda i: -(samples[i].cumulative_logprob or 0.0))[: job.n])
@@ -224,24 +252,42 @@ async def _collect(job: _CompletionJob) -> CompletionResponse:
                 logprobs = CompletionLogprobs()
                 offset = 0
                 if job.echo:
-                    offset = append_completion_logprobs(logprobs, state.decode_token, p.token_ids, prompt_positions,
-                                                        job.logprobs, 0)
-                append_completion_logprobs(logprobs, state.decode_token, s.token_ids, s.positions, job.logprobs,
-                                           offset)
-            choice = CompletionChoice(index=p.index * job.n + k, text=prefix + "".join(s.text), logprobs=logprobs,
-                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                    offset = append_completion_logprobs(
+                        logprobs, state.decode_token, p.token_ids, prompt_positions, job.logprobs, 0
+                    )
+                append_completion_logprobs(
+                    logprobs, state.decode_token, s.token_ids, s.positions, job.logprobs, offset
+                )
+            choice = CompletionChoice(
+                index=p.index * job.n + k,
+                text=prefix + "".join(s.text),
+                logprobs=logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
             if job.prompt_logprobs is not None:
-                choice.prompt_logprobs = prompt_logprobs_dicts(state.decode_token, p.token_ids, prompt_positions,
-                                                               job.prompt_logprobs)
+                choice.prompt_logprobs = prompt_logprobs_dicts(
+                    state.decode_token, p.token_ids, prompt_positions, job.prompt_logprobs
+                )
             choices.append(choice)
-    return CompletionResponse(id=job.request_id, created=job.created, model=job.model,
-                              system_fingerprint=state.system_fingerprint, choices=choices,
-                              usage=usage(job.num_prompt_tokens, num_completion))
+    return CompletionResponse(
+        id=job.request_id,
+        created=job.created,
+        model=job.model,
+        system_fingerprint=state.system_fingerprint,
+        choices=choices,
+        usage=usage(job.num_prompt_tokens, num_completion),
+    )
 
 
 def _chunk(job: _CompletionJob, choice: CompletionChoice) -> bytes:
-    c = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
-                           system_fingerprint=job.state.system_fingerprint, choices=[choice])
+    c = CompletionResponse(
+        id=job.request_id,
+        created=job.created,
+        model=job.model,
+        system_fingerprint=job.state.system_fingerprint,
+        choices=[choice],
+    )
     if job.continuous_usage:
         c.usage = usage(job.num_prompt_tokens, job.num_completion_tokens)
     elif job.include_usage:
@@ -257,11 +303,14 @@ def _echo_chunks(job: _CompletionJob, p: _Prompt, prompt_positions: Any) -> list
         logprobs = None
         if job.logprobs is not None:
             logprobs = CompletionLogprobs()
-            job.offsets[index] = append_completion_logprobs(logprobs, job.state.decode_token, p.token_ids,
-                                                            prompt_positions, job.logprobs, 0)
+            job.offsets[index] = append_completion_logprobs(
+                logprobs, job.state.decode_token, p.token_ids, prompt_positions, job.logprobs, 0
+            )
         else:
             job.offsets[index] = len(p.text)
-        chunks.append(_chunk(job, CompletionChoice(index=index, text=p.text, logprobs=logprobs, finish_reason=None)))
+        chunks.append(
+            _chunk(job, CompletionChoice(index=index, text=p.text, logprobs=logprobs, finish_reason=None))
+        )
     return chunks
 
 
@@ -282,12 +331,27 @@ async def _stream_prompt(job: _CompletionJob, p: _Prompt, emit: Emit) -> None:
             logprobs = None
             if job.logprobs is not None:
                 logprobs = CompletionLogprobs()
-                job.offsets[index] = append_completion_logprobs(logprobs, state.decode_token, c.token_ids,
-                                                                c.logprobs, job.logprobs, job.offsets.get(index, 0))
+                job.offsets[index] = append_completion_logprobs(
+                    logprobs,
+                    state.decode_token,
+                    c.token_ids,
+                    c.logprobs,
+                    job.logprobs,
+                    job.offsets.get(index, 0),
+                )
             finished = c.finish_reason is not None
-            events.append(_chunk(job, CompletionChoice(index=index, text=c.text, logprobs=logprobs,
-                                                       finish_reason=c.finish_reason,
-                                                       stop_reason=c.stop_reason if finished else UNSET)))
+            events.append(
+                _chunk(
+                    job,
+                    CompletionChoice(
+                        index=index,
+                        text=c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason if finished else UNSET,
+                    ),
+                )
+            )
         if out.finished:
             p.finished = True
         if events:
@@ -306,9 +370,14 @@ async def _stream(job: _CompletionJob, emit: Emit) -> None:
             raise group.exceptions[0] from None
         tail = []
         if job.include_usage:
-            final = CompletionResponse(id=job.request_id, created=job.created, model=job.model,
-                                       system_fingerprint=job.state.system_fingerprint, choices=[],
-                                       usage=usage(job.num_prompt_tokens, job.num_completion_tokens))
+            final = CompletionResponse(
+                id=job.request_id,
+                created=job.created,
+                model=job.model,
+                system_fingerprint=job.state.system_fingerprint,
+                choices=[],
+                usage=usage(job.num_prompt_tokens, job.num_completion_tokens),
+            )
             tail.append(event(encoder.encode(final)))
         tail.append(DONE)
         await emit(b"".join(tail))

@@ -32,8 +32,15 @@ _TYPES = {
 class APIError(Exception):
     """An error answered in OpenAI's format with HTTP `status`; `param` names the offending field."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -49,8 +56,9 @@ class APIError(Exception):
 
     def to_response(self) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return Response(self.to_bytes(), status_code=self.status, media_type="application/json",
-                        headers=headers)
+        return Response(
+            self.to_bytes(), status_code=self.status, media_type="application/json", headers=headers
+        )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -59,8 +67,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
 
 def unsupported(param: str, detail: str = "") -> APIError:
     extra = f": {detail}" if detail else ""
-    return APIError(400, f"`{param}` is not supported by this server{extra}", param=param,
-                    code="unsupported_parameter")
+    return APIError(
+        400, f"`{param}` is not supported by this server{extra}", param=param, code="unsupported_parameter"
+    )
 
 
 _PATH_RE = re.compile(r"at `\$(?P<path>[^`]*)`")
@@ -113,4 +122,6 @@ def http_error(status: int, detail: str | None = None) -> APIError:
 
 def engine_failure(exc: BaseException) -> APIError:
     """The engine failed while generating (it died, or a step raised): a 500, not the client's fault."""
-    return APIError(500, f"the engine failed while generating: {type(exc).__name__}: {exc}", code="engine_error")
+    return APIError(
+        500, f"the engine failed while generating: {type(exc).__name__}: {exc}", code="engine_error"
+    )

@@ -73,14 +73,21 @@ def hypercorn_config(args: ServerArgs, sock: socket.socket) -> HypercornConfig:
     return config
 
 
-async def _watch_signals(stop: anyio.Event, root: anyio.CancelScope, grace: float, *,
-                         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def _watch_signals(
+    stop: anyio.Event,
+    root: anyio.CancelScope,
+    grace: float,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
             if not stop.is_set():
-                logger.info("%s received: refusing new requests, draining in-flight ones (up to %.0f s)", name, grace)
+                logger.info(
+                    "%s received: refusing new requests, draining in-flight ones (up to %.0f s)", name, grace
+                )
                 stop.set()
             else:
                 logger.warning("%s received again: stopping now", name)
@@ -88,8 +95,14 @@ async def _watch_signals(stop: anyio.Event, root: anyio.CancelScope, grace: floa
                 return
 
 
-async def _serve_http(app: Any, config: HypercornConfig, shutdown_trigger: Any, done: anyio.Event, *,
-                      task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def _serve_http(
+    app: Any,
+    config: HypercornConfig,
+    shutdown_trigger: Any,
+    done: anyio.Event,
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
     """Hypercorn in a task of its own: on Python 3.11 its asyncio.TaskGroup can leave a stray cancellation
     request on the task that ran it, which must not be the task holding our cancel scopes."""
     task_status.started()
@@ -99,9 +112,14 @@ async def _serve_http(app: Any, config: HypercornConfig, shutdown_trigger: Any, 
         done.set()
 
 
-async def serve(engine: EngineClient, args: ServerArgs, *, stop: anyio.Event | None = None,
-                handle_signals: bool = True, task_status: TaskStatus[BoundAddress] = anyio.TASK_STATUS_IGNORED
-                ) -> None:
+async def serve(
+    engine: EngineClient,
+    args: ServerArgs,
+    *,
+    stop: anyio.Event | None = None,
+    handle_signals: bool = True,
+    task_status: TaskStatus[BoundAddress] = anyio.TASK_STATUS_IGNORED,
+) -> None:
     """Run the engine loop, the stats logger and the HTTP server until `stop` is set (or a signal).
 
     Reports the bound address through `task_status` once the socket listens and the engine runs.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -22,12 +23,74 @@ logger = logging.getLogger("aserve.server.stats")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0]
-_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+_ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 _N_BUCKETS = [1, 2, 5, 10, 20]
 
 
@@ -70,38 +133,62 @@ class PrometheusStatLogger:
         self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV-cache usage, 0..1 (1 = full); vLLM's name.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = full).")
         # counters
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.request_success = counter("request_success", "Requests that finished (stop or length).",
-                                       ("finished_reason",))
-        self.request_failure = counter("request_failure", "Requests that ended without finishing: aborted, "
-                                       "engine errors, or rejected by the server.", ("reason",))
+        self.request_success = counter(
+            "request_success", "Requests that finished (stop or length).", ("finished_reason",)
+        )
+        self.request_failure = counter(
+            "request_failure",
+            "Requests that ended without finishing: aborted, engine errors, or rejected by the server.",
+            ("reason",),
+        )
         # per-request histograms
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", tok_buckets)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
-                                                   tok_buckets)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", tok_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", tok_buckets
+        )
         self.request_params_n = histogram("request_params_n", "The n parameter of requests.", _N_BUCKETS)
-        self.request_params_max_tokens = histogram("request_params_max_tokens", "The max_tokens parameter.",
-                                                   tok_buckets)
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS)
-        self.time_per_output_token = histogram("time_per_output_token_seconds",
-                                               "Time between tokens (vLLM's older name for inter-token latency).",
-                                               _ITL_BUCKETS)
-        self.request_time_per_output_token = histogram("request_time_per_output_token_seconds",
-                                                       "Mean time per output token of each request.", _ITL_BUCKETS)
-        self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
-                                    _LATENCY_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "Time scheduled (prefill + decode).",
-                                        _LATENCY_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens parameter.", tok_buckets
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between tokens.", _ITL_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds",
+            "Time between tokens (vLLM's older name for inter-token latency).",
+            _ITL_BUCKETS,
+        )
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token of each request.",
+            _ITL_BUCKETS,
+        )
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Time scheduled (prefill + decode).", _LATENCY_BUCKETS
+        )
         self.prefill_time = histogram("request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens (prompt + generated) per step.",
-                                          token_buckets(1 << 16))
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens (prompt + generated) per step.", token_buckets(1 << 16)
+        )
 
         # Expose every series from the start (at zero), so a scrape before the first request sees them.
         for metric in vars(self).values():
@@ -185,8 +272,12 @@ class PrometheusStatLogger:
 class LoggingStatLogger:
     """A StatLogger that sums per-step stats and logs one throughput/state line per interval."""
 
-    def __init__(self, interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        interval: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        log: Callable[[str], None] | None = None,
+    ):
         self.interval = interval
         self._clock = clock
         self._log = log or logger.info
@@ -209,18 +300,21 @@ class LoggingStatLogger:
         now = self._clock()
         elapsed = max(now - self._last_time, 1e-9)
         s = self._latest
-        busy = self._changed and (self._prompt_tokens or self._generation_tokens or s.num_running_reqs
-                                  or s.num_waiting_reqs)
+        busy = self._changed and (
+            self._prompt_tokens or self._generation_tokens or s.num_running_reqs or s.num_waiting_reqs
+        )
         queries = s.prefix_cache_queries - self._queries_at_last_log
         hits = s.prefix_cache_hits - self._hits_at_last_log
         line = None
         if busy:
             hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
-            line = (f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
-                    f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
-                    f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-                    f"Swapped: {s.num_swapped_reqs} reqs, KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
-                    f"Prefix cache hit rate: {hit_rate:.1f}%")
+            line = (
+                f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
+                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+                f"Swapped: {s.num_swapped_reqs} reqs, KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate:.1f}%"
+            )
         self._last_time = now
         self._prompt_tokens = self._generation_tokens = 0
         self._queries_at_last_log, self._hits_at_last_log = s.prefix_cache_queries, s.prefix_cache_hits

@@ -34,8 +34,10 @@ async def list_models(request: Request) -> Response:
     state = get_state(request)
     created = int(time.time())
     root = state.model_config.model or state.model_config.model_path
-    cards = [ModelCard(id=name, created=created, root=root, max_model_len=state.max_model_len)
-             for name in state.served_model_names]
+    cards = [
+        ModelCard(id=name, created=created, root=root, max_model_len=state.max_model_len)
+        for name in state.served_model_names
+    ]
     return _json(ModelList(data=cards))
 
 
@@ -45,8 +47,9 @@ async def health(request: Request) -> Response:
     try:
         await state.engine.check_health()
     except Exception as exc:
-        return APIError(503, f"the engine is not healthy: {type(exc).__name__}: {exc}",
-                        code="engine_unhealthy").to_response()
+        return APIError(
+            503, f"the engine is not healthy: {type(exc).__name__}: {exc}", code="engine_unhealthy"
+        ).to_response()
     return Response(status_code=200)
 
 
@@ -67,18 +70,23 @@ async def tokenize(request: Request) -> Response:
     if req.messages is not None:
         conversation = to_conversation(req.messages)
         _, ids = await state.run_blocking(
-            state.renderer.render_and_tokenize, conversation,
-            add_special_tokens=bool(req.add_special_tokens), add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs)
+            state.renderer.render_and_tokenize,
+            conversation,
+            add_special_tokens=bool(req.add_special_tokens),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await state.run_blocking(state.tokenizer.encode, req.prompt, add_special_tokens=add_special)
     token_strs = None
     if req.return_token_strs:
         token_strs = await state.run_blocking(state.tokenizer.convert_ids_to_tokens, ids)
-    return _json(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
-                                  token_strs=token_strs))
+    return _json(
+        TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=token_strs)
+    )
 
 
 async def detokenize(request: Request) -> Response:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aserve.outputs import Logprob
 from aserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -15,26 +16,42 @@ from aserve.server.protocol import (
 )
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
+MAX_N = 128  # samples per request (OpenAI's limit for n); guards the engine against absurd fan-outs
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       prompt_param: str, max_tokens_param: str = "max_tokens", default: int | None = None) -> int:
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    prompt_param: str,
+    max_tokens_param: str = "max_tokens",
+    default: int | None = None,
+) -> int:
     """`requested`, else `default`, else the rest of the context (capped by the context either way).
 
     A prompt that leaves no room, or a requested length past the context, is a 400.
     """
     if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                       f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the "
-                       f"prompt.", param=prompt_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the "
+            f"prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if requested is None:
         room = max_model_len - num_prompt_tokens
         return room if default is None else min(default, room)
     if requested >= 1 and num_prompt_tokens + requested > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                       f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in "
-                       f"the completion). Please reduce the prompt or {max_tokens_param}.",
-                       param=max_tokens_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in "
+            f"the completion). Please reduce the prompt or {max_tokens_param}.",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
     return requested
 
 
@@ -55,14 +72,22 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         try:
             out[int(key)] = float(value)
         except ValueError:
-            raise bad_request(f"keys must be token ids (integers as strings), got {key!r}",
-                              param="logit_bias") from None
+            raise bad_request(
+                f"keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+            ) from None
     return out
 
 
-def build_sampling_params(req: Any, *, max_tokens: int, logprobs: int | None, stream: bool,
-                          best_of: int | None = None, prompt_logprobs: int | None = None,
-                          defaults: dict[str, Any] | None = None) -> SamplingParams:
+def build_sampling_params(
+    req: Any,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    stream: bool,
+    best_of: int | None = None,
+    prompt_logprobs: int | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> SamplingParams:
     """SamplingParams from a chat/completions request; invalid values are a 400 naming the field.
 
     Fields the request leaves unset take the model's `defaults` (generation_config.json), then
@@ -77,9 +102,13 @@ def build_sampling_params(req: Any, *, max_tokens: int, logprobs: int | None, st
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
+    n = 1 if req.n is None else req.n
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is not None and value > MAX_N:
+            raise bad_request(f"must be at most {MAX_N}, got {value}", param=name)
     try:
         return SamplingParams(
-            n=1 if req.n is None else req.n,
+            n=n,
             best_of=best_of,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
@@ -119,8 +148,11 @@ def check_stream_options(req: Any) -> tuple[bool, bool]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 # -- logprobs --------------------------------------------------------------------------------------
@@ -141,15 +173,17 @@ def _text(decode: Decode, token_id: int, lp: Logprob | None) -> str:
 def _top(candidates: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
     if top_n <= 0:
         return []
-    ranked = sorted(candidates.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
-                                                        -kv[1].logprob))
+    ranked = sorted(
+        candidates.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob)
+    )
     if all(lp.rank is not None for _, lp in ranked):
         ranked = [kv for kv in ranked if kv[1].rank <= top_n]  # type: ignore[operator]
     return ranked[:top_n]
 
 
-def chat_logprobs(decode: Decode, token_ids: list[int], positions: list[dict[int, Logprob]] | None,
-                  top_n: int) -> list[ChatLogprobEntry]:
+def chat_logprobs(
+    decode: Decode, token_ids: list[int], positions: list[dict[int, Logprob]] | None, top_n: int
+) -> list[ChatLogprobEntry]:
     """OpenAI chat `logprobs.content` entries for the sampled `token_ids`."""
     entries: list[ChatLogprobEntry] = []
     for i, token_id in enumerate(token_ids):
@@ -160,14 +194,25 @@ def chat_logprobs(decode: Decode, token_ids: list[int], positions: list[dict[int
         for tid, lp in _top(candidates, top_n):
             t = _text(decode, tid, lp)
             tops.append(ChatTopLogprob(token=t, logprob=_clamp(lp.logprob), bytes=list(t.encode("utf-8"))))
-        entries.append(ChatLogprobEntry(token=text, logprob=_clamp(sampled.logprob) if sampled else _MIN_LOGPROB,
-                                        bytes=list(text.encode("utf-8")), top_logprobs=tops))
+        entries.append(
+            ChatLogprobEntry(
+                token=text,
+                logprob=_clamp(sampled.logprob) if sampled else _MIN_LOGPROB,
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=tops,
+            )
+        )
     return entries
 
 
-def append_completion_logprobs(out: CompletionLogprobs, decode: Decode, token_ids: list[int],
-                               positions: list[dict[int, Logprob] | None] | None, top_n: int,
-                               offset: int) -> int:
+def append_completion_logprobs(
+    out: CompletionLogprobs,
+    decode: Decode,
+    token_ids: list[int],
+    positions: list[dict[int, Logprob] | None] | None,
+    top_n: int,
+    offset: int,
+) -> int:
     """Append the completions-API logprobs of `token_ids` to `out`; returns the next text offset.
 
     A position whose entry is None (the first prompt token) gets `None` logprobs.
@@ -191,9 +236,9 @@ def append_completion_logprobs(out: CompletionLogprobs, decode: Decode, token_id
     return offset
 
 
-def prompt_logprobs_dicts(decode: Decode, prompt_token_ids: list[int],
-                          positions: list[dict[int, Logprob] | None] | None, top_n: int
-                          ) -> list[dict[str, float] | None]:
+def prompt_logprobs_dicts(
+    decode: Decode, prompt_token_ids: list[int], positions: list[dict[int, Logprob] | None] | None, top_n: int
+) -> list[dict[str, float] | None]:
     """vLLM's `prompt_logprobs` field: per prompt token, decoded token -> logprob (None for the first)."""
     out: list[dict[str, float] | None] = []
     for i, token_id in enumerate(prompt_token_ids):

@@ -8,7 +8,8 @@ handlers the same behaviour.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from starlette.types import Receive, Scope, Send

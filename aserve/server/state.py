@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from importlib import metadata
-from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -35,8 +36,14 @@ class EngineClient(Protocol):
     model_config: ModelConfig
     tokenizer: Any
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -79,12 +86,16 @@ class ServerState:
         tokenizer = engine.tokenizer
         template = resolve_chat_template(tokenizer, args.chat_template)
         if template is None:
-            logger.warning("no chat template: the tokenizer has none, --chat-template is not set and no bundled "
-                           "template fits; /v1/chat/completions will answer 400 until one is given")
+            logger.warning(
+                "no chat template: the tokenizer has none, --chat-template is not set and no bundled "
+                "template fits; /v1/chat/completions will answer 400 until one is given"
+            )
         else:
             logger.info("chat template: %s", template.source)
         version = package_version()
-        digest = hashlib.sha256(f"{version}|{model_config.model_path}|{model_config.dtype}".encode()).hexdigest()
+        digest = hashlib.sha256(
+            f"{version}|{model_config.model_path}|{model_config.dtype}".encode()
+        ).hexdigest()
         return cls(
             engine=engine,
             args=args,
@@ -109,8 +120,12 @@ class ServerState:
         if requested is None or requested == "":
             return self.served_model_names[0]
         if requested not in self.served_model_names:
-            raise APIError(404, f"The model `{requested}` does not exist. Served models: "
-                           f"{list(self.served_model_names)}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist. Served models: {list(self.served_model_names)}",
+                param="model",
+                code="model_not_found",
+            )
         return requested
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -119,8 +134,15 @@ class ServerState:
             self._limiter = anyio.CapacityLimiter(1)
         return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, priority: int, prompt_param: str) -> AsyncIterator[RequestOutput]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        prompt_param: str,
+    ) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; its validation errors become 400s naming the field."""
         if not self.engine.is_healthy():
             raise APIError(503, "the engine is not running", code="engine_dead")
@@ -136,7 +158,9 @@ class ServerState:
             param = "max_tokens" if "max_tokens" in text else prompt_param
             raise APIError(400, text, param=param, code="invalid_value") from None
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
-            raise APIError(503, f"the engine cannot take requests: {exc}", code="engine_unavailable") from None
+            raise APIError(
+                503, f"the engine cannot take requests: {exc}", code="engine_unavailable"
+            ) from None
 
     async def abort(self, request_id: str) -> None:
         """Abort a request, shielded so it completes even inside a cancelled scope."""
@@ -146,15 +170,21 @@ class ServerState:
             except Exception:  # the engine may be dead already; the request is gone either way
                 logger.exception("aborting request %s failed", request_id)
 
-    def log_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+    def log_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         if self.args.disable_log_requests:
             return
         limit = self.args.max_log_len
         shown_prompt = prompt[:limit] if (prompt is not None and limit is not None) else prompt
         shown_ids = prompt_token_ids[:limit] if limit is not None else prompt_token_ids
-        logger.info("Received request %s: prompt: %r, params: %r, prompt_token_ids: %s", request_id,
-                    shown_prompt, params, shown_ids)
+        logger.info(
+            "Received request %s: prompt: %r, params: %r, prompt_token_ids: %s",
+            request_id,
+            shown_prompt,
+            params,
+            shown_ids,
+        )
 
     @property
     def generation_defaults(self) -> dict[str, Any]:

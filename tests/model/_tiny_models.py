@@ -7,15 +7,16 @@ import random
 from pathlib import Path
 
 import torch
-from tests.model._paged_batch import PagedBatch
 
 from aserve.config import AserveConfig, EngineArgs
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import load_model
+from tests.model._paged_batch import PagedBatch
 
 VOCAB = 500
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.08, rms_norm_eps=1e-6)
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+          "initializer_range": 0.08, "rms_norm_eps": 1e-6}
 
 
 def save_tiny_hf(path: Path, family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:

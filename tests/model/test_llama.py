@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from tests.model._tiny_models import VOCAB, hf_logits, load_ours, random_schedule, run_schedule, save_tiny_hf
 
 ATOL = 1e-4

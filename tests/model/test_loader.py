@@ -9,7 +9,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from aserve.model.attention.torch_backend import TorchAttentionBackend
-from aserve.model.loader import WeightsNotFoundError, kv_cache_dtype_for, load_model, torch_dtype, weight_files
+from aserve.model.loader import (
+    WeightsNotFoundError,
+    kv_cache_dtype_for,
+    load_model,
+    torch_dtype,
+    weight_files,
+)
 from tests.model._tiny_models import engine_config, load_ours, save_tiny_hf
 
 
@@ -56,6 +62,11 @@ def test_pytorch_bin_checkpoint(tiny, tmp_path):
     _assert_same_weights(load_ours(tmp_path, load_format="pt"), load_ours(path))
     with pytest.raises(WeightsNotFoundError, match="safetensors"):
         load_ours(tmp_path, load_format="safetensors")
+
+
+def test_gguf_load_format_reads_the_converted_safetensors(tiny):
+    path, _ = tiny
+    assert weight_files(str(path), "gguf") == ("safetensors", [str(path / "model.safetensors")])
 
 
 def test_sharded_safetensors_follow_the_index(tiny, tmp_path):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_gguf_is_converted_once_and_reused(tmp_path, cache_dir, fake_converter):
     gguf.write_bytes(b"GGUF" + b"\0" * 60)
     first = resolve_model(str(gguf), None, None, "auto")
     assert first.startswith(str(cache_dir / "models" / "tiny-model.Q8_0-"))
-    assert json.loads(open(os.path.join(first, "config.json")).read())["call"] == 1
+    assert json.loads(Path(first, "config.json").read_text())["call"] == 1
     assert resolve_model(str(gguf), None, None, "auto") == first
     assert len(fake_converter) == 1  # second resolve: no reconversion
     # The conversion ran in a temporary folder that was renamed into place.
@@ -118,7 +119,7 @@ def test_changed_gguf_is_reconverted_in_place(tmp_path, cache_dir, fake_converte
     gguf.write_bytes(b"GGUF22")
     assert model_source.convert_gguf_cached(str(gguf), "m") == folder
     assert len(fake_converter) == 2
-    assert json.loads(open(os.path.join(folder, "config.json")).read())["call"] == 2
+    assert json.loads(Path(folder, "config.json").read_text())["call"] == 2
     assert sorted(os.listdir(cache_dir / "models")) == [".m.lock", "m"]
 
 
@@ -167,7 +168,7 @@ def test_bundled_model_converts_and_matches_transformers():
     t0 = time.perf_counter()
     assert resolve_model("", None, None, "auto") == folder
     assert time.perf_counter() - t0 < 1.0  # cached: no reconversion
-    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    config = json.loads(Path(folder, "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
     assert config["tie_word_embeddings"] is True and config["eos_token_id"] == 2
 

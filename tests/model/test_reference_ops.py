@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-
 from aserve.kernels import reference
 
 

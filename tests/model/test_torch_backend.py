@@ -9,12 +9,15 @@ from aserve.model.attention.torch_backend import TorchAttentionBackend
 from tests.model.test_reference_ops import naive_attention
 
 
-def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=0, sliding_window=None):
-    """Random cached context per sequence (already in the cache) plus this step's new tokens."""
+def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=0, sliding_window=None,
+          layout_seed=0):
+    """Random cached context per sequence (already in the cache) plus this step's new tokens.
+
+    The block layout depends only on `layout_seed` (layers of one model share block tables)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(contexts, q_lens, strict=True)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(layout_seed)).tolist()
     cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
     tables, slots, full_k, full_v, new_k, new_v = [], [], [], [], [], []
     for ctx, n in zip(contexts, seq_lens, strict=True):
@@ -68,8 +71,8 @@ def _check(q_lens, contexts, block_size=16, num_heads=6, num_kv_heads=2, num_pad
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
     if num_pad:
         assert out[meta.num_tokens:].abs().sum() == 0
-    changed = (cache != before).flatten(2).any(-1)  # [2, blocks, block_size]
-    assert changed.sum() <= 2 * meta.num_tokens  # only this step's slots were written
+    changed = (cache != before).flatten(3).any(-1)  # [2, blocks, block_size]
+    assert changed.sum() == 2 * meta.num_tokens  # exactly this step's slots were written
 
 
 def test_mixed_decode_and_prefill_batch():
@@ -88,3 +91,50 @@ def test_padded_batch_leaves_padding_rows_zero():
 
 def test_sliding_window_in_decode_and_extend():
     _check(q_lens=[1, 1, 6, 30], contexts=[40, 3, 20, 0], sliding_window=7, block_size=8)
+
+
+def test_step_plan_is_shared_by_layers_and_rebuilt_for_each_forward():
+    backend = TorchAttentionBackend()
+    for step_seed, (q_lens, contexts) in enumerate([([1, 1, 12], [30, 4, 0]), ([1, 5], [9, 40])]):
+        caches = []
+        for layer in range(2):  # two layers over the same metadata, each with its own cache
+            cache, meta, k, v, full_k, full_v = _step(16, 2, 16, contexts, q_lens, seed=10 * step_seed + layer,
+                                                      layout_seed=step_seed)
+            caches.append((cache, meta, k, v, full_k, full_v))
+        meta = caches[0][1]
+        backend.begin_forward(meta)
+        for cache, _, k, v, full_k, full_v in caches:
+            q = torch.randn(meta.num_tokens, 4, 16)
+            out = backend.forward(q, k, v, cache, meta, scale=0.25)
+            for i, n in enumerate(meta.seq_lens_cpu):
+                s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+                want = naive_attention(q[s:e], full_k[i], full_v[i], torch.arange(n - q_lens[i], n), 0.25)
+                torch.testing.assert_close(out[s:e], want, atol=1e-5, rtol=1e-5)
+
+
+def test_skipped_slots_in_the_middle_are_not_written():
+    cache, meta, k, v, _, _ = _step(8, 2, 16, [5, 0], [1, 6], seed=3)
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.slot_mapping[3] = -1  # e.g. a token whose K/V another request already holds
+    q = torch.randn(meta.num_tokens, 4, 16)
+    before = cache.clone()
+    TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.25)
+    changed = (cache != before).flatten(3).any(-1).sum().item()
+    assert changed == 2 * (meta.num_tokens - 1)
+
+
+def test_fp8_cache_matches_the_reference_functions():
+    from aserve.kernels import reference
+
+    q_lens, contexts = [1, 1, 9], [20, 7, 11]
+    cache32, meta, k, v, _, _ = _step(16, 2, 16, contexts, q_lens, seed=5)
+    meta.k_scale, meta.v_scale = 0.5, 1.5
+    cache = (cache32 / torch.tensor([0.5, 1.5]).view(2, 1, 1, 1, 1)).to(torch.float8_e4m3fn)
+    q = torch.randn(meta.num_tokens, 4, 16)
+    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.25)
+    decode = reference.paged_decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], 0.25,
+                                              k_scale=0.5, v_scale=1.5)
+    prefill = reference.paged_prefill_attention(
+        q[2:], cache, meta.block_tables[2:], meta.query_start_loc[2:] - 2, meta.seq_lens[2:], 0.25,
+        k_scale=0.5, v_scale=1.5)
+    torch.testing.assert_close(out, torch.cat([decode, prefill]), atol=1e-6, rtol=1e-6)

@@ -24,7 +24,6 @@ from aserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerS
 from aserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
-
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat",
     "hello world how are you today my friend the weather is nice and the sun is bright",
@@ -37,8 +36,10 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-                    chat_template: str | None = None) -> Any:
+def build_tokenizer(
+    special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    chat_template: str | None = None,
+) -> Any:
     """A byte-level BPE tokenizer trained in milliseconds on a tiny corpus (lossless round trips)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -46,8 +47,12 @@ def build_tokenizer(special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_st
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(special_tokens), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=list(special_tokens),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=special_tokens[0])
     if chat_template is not None:
@@ -59,17 +64,45 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-def make_model_config(vocab_size: int, max_model_len: int, served_model_names: tuple[str, ...],
-                      max_logprobs: int = 20) -> ModelConfig:
-    arch = ArchConfig(architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=max_model_len,
-                      tie_word_embeddings=True, attention_bias=False, hidden_act="silu", torch_dtype="float32",
-                      bos_token_id=None, eos_token_ids=(0,))
-    return ModelConfig(model="fake-model", model_path="/nonexistent/fake-model", tokenizer="fake", tokenizer_mode="auto",
-                       revision=None, tokenizer_revision=None, trust_remote_code=False, dtype="float32",
-                       max_model_len=max_model_len, seed=0, served_model_names=served_model_names,
-                       max_logprobs=max_logprobs, generation_config="auto", arch=arch)
+def make_model_config(
+    vocab_size: int, max_model_len: int, served_model_names: tuple[str, ...], max_logprobs: int = 20
+) -> ModelConfig:
+    arch = ArchConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=max_model_len,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+        bos_token_id=None,
+        eos_token_ids=(0,),
+    )
+    return ModelConfig(
+        model="fake-model",
+        model_path="/nonexistent/fake-model",
+        tokenizer="fake",
+        tokenizer_mode="auto",
+        revision=None,
+        tokenizer_revision=None,
+        trust_remote_code=False,
+        dtype="float32",
+        max_model_len=max_model_len,
+        seed=0,
+        served_model_names=served_model_names,
+        max_logprobs=max_logprobs,
+        generation_config="auto",
+        arch=arch,
+    )
 
 
 class FakeRequestStream:
@@ -122,8 +155,17 @@ class _Request:
 
 
 class FakeAsyncEngine:
-    def __init__(self, tokenizer: Any, *, max_model_len: int = 256, served_model_names: tuple[str, ...] = ("fake-model",),
-                 step_delay: float = 0.002, num_blocks: int = 512, block_size: int = 16, max_logprobs: int = 20):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int = 256,
+        served_model_names: tuple[str, ...] = ("fake-model",),
+        step_delay: float = 0.002,
+        num_blocks: int = 512,
+        block_size: int = 16,
+        max_logprobs: int = 20,
+    ):
         self.tokenizer = tokenizer
         self.model_config = make_model_config(len(tokenizer), max_model_len, served_model_names, max_logprobs)
         self.step_delay = step_delay
@@ -147,7 +189,7 @@ class FakeAsyncEngine:
     @staticmethod
     def _word_token_ids(tokenizer: Any) -> list[int]:
         words = []
-        for token, token_id in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        for token_id in sorted(tokenizer.get_vocab().values()):
             text = tokenizer.decode([token_id])
             if re.fullmatch(r" [a-z]{2,}", text):
                 words.append(token_id)
@@ -161,8 +203,9 @@ class FakeAsyncEngine:
             return random.Random(f"greedy:{','.join(map(str, prompt_token_ids))}")
         return random.Random()
 
-    def expected_token_ids(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0,
-                           length: int | None = None) -> list[int]:
+    def expected_token_ids(
+        self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0, length: int | None = None
+    ) -> list[int]:
         """The first `length` (default max_tokens) tokens sample `index` draws, before stop handling."""
         rng = self._rng(prompt_token_ids, params, index)
         return [rng.choice(self.word_ids) for _ in range(length or params.max_tokens or 16)]
@@ -181,8 +224,14 @@ class FakeAsyncEngine:
     def get_scheduler_stats(self) -> SchedulerStats:
         return self._stats
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> FakeRequestStream:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> FakeRequestStream:
         if self.errored:
             raise EngineDeadError("engine is dead")
         if request_id in self.requests:
@@ -190,12 +239,14 @@ class FakeAsyncEngine:
         params.validate_for_model(self.model_config.arch.vocab_size, self.model_config.max_logprobs)
         max_len = self.model_config.max_model_len
         if len(prompt_token_ids) >= max_len:
-            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) must be shorter than max_model_len "
-                             f"({max_len})")
+            raise ValueError(
+                f"the prompt ({len(prompt_token_ids)} tokens) must be shorter than max_model_len ({max_len})"
+            )
         send, receive = anyio.create_memory_object_stream(math.inf)
         samples = [_Sample(i, self._rng(prompt_token_ids, params, i)) for i in range(params.num_samples)]
-        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params, send, samples,
-                                             time.time())
+        self.requests[request_id] = _Request(
+            request_id, prompt, list(prompt_token_ids), params, send, samples, time.time()
+        )
         self.added.append((request_id, list(prompt_token_ids), params, priority))
         return FakeRequestStream(receive)
 
@@ -238,7 +289,11 @@ class FakeAsyncEngine:
 
     # -- one step ----------------------------------------------------------------------------------
     def _logprob_entry(self, token_id: int, position: int, k: int) -> dict[int, Logprob]:
-        entry = {token_id: Logprob(-0.25 - 0.01 * position, rank=1, decoded_token=self.tokenizer.decode([token_id]))}
+        entry = {
+            token_id: Logprob(
+                -0.25 - 0.01 * position, rank=1, decoded_token=self.tokenizer.decode([token_id])
+            )
+        }
         alternatives = [t for t in self.word_ids if t != token_id]
         for r in range(k):
             alt = alternatives[(position + r) % len(alternatives)]
@@ -314,15 +369,26 @@ class FakeAsyncEngine:
 
     def _completion(self, s: _Sample, delta: bool) -> CompletionOutput:
         if delta:
-            out = CompletionOutput(index=s.index, text=s.text[s.sent_text:], token_ids=s.token_ids[s.sent_tokens:],
-                                   cumulative_logprob=s.cumulative_logprob,
-                                   logprobs=s.logprobs[s.sent_tokens:] if s.logprobs else None,
-                                   finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            out = CompletionOutput(
+                index=s.index,
+                text=s.text[s.sent_text :],
+                token_ids=s.token_ids[s.sent_tokens :],
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs[s.sent_tokens :] if s.logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
             s.sent_text, s.sent_tokens = len(s.text), len(s.token_ids)
             return out
-        return CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
-                                cumulative_logprob=s.cumulative_logprob, logprobs=list(s.logprobs) or None,
-                                finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+        return CompletionOutput(
+            index=s.index,
+            text=s.text,
+            token_ids=list(s.token_ids),
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) or None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
 
     def _prompt_logprobs(self, req: _Request) -> list[dict[int, Logprob] | None] | None:
         k = req.params.prompt_logprobs
@@ -352,10 +418,20 @@ class FakeAsyncEngine:
         if not req.prompt_sent:
             prompt_logprobs = self._prompt_logprobs(req)
             req.prompt_sent = True
-        metrics = RequestMetrics(arrival_time=req.arrival, first_token_time=req.first_token_time,
-                                 last_token_time=req.last_token_time)
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             prompt_logprobs=prompt_logprobs, outputs=outputs, finished=finished, metrics=metrics)
+        metrics = RequestMetrics(
+            arrival_time=req.arrival,
+            first_token_time=req.first_token_time,
+            last_token_time=req.last_token_time,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            metrics=metrics,
+        )
 
     def _finished_stats(self, req: _Request, reason: str) -> FinishedRequestStats:
         now = time.time()
@@ -363,10 +439,18 @@ class FakeAsyncEngine:
         first = req.first_token_time or now
         decode = now - first
         return FinishedRequestStats(
-            finish_reason=reason, e2e_latency=now - req.arrival, num_prompt_tokens=len(req.prompt_token_ids),
-            num_generation_tokens=generated, max_tokens_param=req.params.max_tokens, n=req.params.n, queue_time=0.0,
-            prefill_time=first - req.arrival, decode_time=decode, inference_time=now - req.arrival,
-            mean_time_per_output_token=decode / max(generated - 1, 1))
+            finish_reason=reason,
+            e2e_latency=now - req.arrival,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_generation_tokens=generated,
+            max_tokens_param=req.params.max_tokens,
+            n=req.params.n,
+            queue_time=0.0,
+            prefill_time=first - req.arrival,
+            decode_time=decode,
+            inference_time=now - req.arrival,
+            mean_time_per_output_token=decode / max(generated - 1, 1),
+        )
 
     def _publish(self, it: IterationStats) -> None:
         used = 0

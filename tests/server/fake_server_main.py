@@ -19,8 +19,13 @@ def main() -> int:
     step_delay, grace = float(sys.argv[1]), float(sys.argv[2])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [%(name)s] %(message)s")
     tokenizer = build_tokenizer()
-    args = ServerArgs(host="127.0.0.1", port=0, shutdown_grace_period=grace, disable_log_requests=True,
-                      disable_log_stats=True)
+    args = ServerArgs(
+        host="127.0.0.1",
+        port=0,
+        shutdown_grace_period=grace,
+        disable_log_requests=True,
+        disable_log_stats=True,
+    )
     run(lambda: FakeAsyncEngine(tokenizer, step_delay=step_delay), args)
     return 0
 

@@ -30,12 +30,41 @@ def test_defaults_match_engine_args_and_server_args():
 
 
 def test_engine_flags_parse_with_vllm_spellings():
-    engine_args, _ = parse_args([
-        "--model", "/m", "--max-model-len", "512", "--block-size", "32", "--no-enable-prefix-caching",
-        "--max-num-seqs", "8", "--dtype", "float32", "--kv-cache-dtype", "fp8", "--num-gpu-blocks-override", "100",
-        "--distributed-executor-backend", "mp", "--disable-async-output-proc", "--enforce-eager",
-        "--hf-overrides", '{"num_hidden_layers": 2}', "--rope-scaling", '{"rope_type": "linear", "factor": 2}',
-        "--served-model-name", "a", "b", "--gpu-memory-utilization", "0.5", "-tp", "1"], environ={})
+    engine_args, _ = parse_args(
+        [
+            "--model",
+            "/m",
+            "--max-model-len",
+            "512",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+            "--max-num-seqs",
+            "8",
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "fp8",
+            "--num-gpu-blocks-override",
+            "100",
+            "--distributed-executor-backend",
+            "mp",
+            "--disable-async-output-proc",
+            "--enforce-eager",
+            "--hf-overrides",
+            '{"num_hidden_layers": 2}',
+            "--rope-scaling",
+            '{"rope_type": "linear", "factor": 2}',
+            "--served-model-name",
+            "a",
+            "b",
+            "--gpu-memory-utilization",
+            "0.5",
+            "-tp",
+            "1",
+        ],
+        environ={},
+    )
     assert engine_args.model == "/m" and engine_args.max_model_len == 512 and engine_args.block_size == 32
     assert engine_args.enable_prefix_caching is False and engine_args.max_num_seqs == 8
     assert (engine_args.dtype, engine_args.kv_cache_dtype) == ("float32", "fp8")
@@ -50,16 +79,19 @@ def test_engine_flags_parse_with_vllm_spellings():
     assert one.served_model_name == "solo"
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--hf-overrides", "{not json"], "--hf-overrides"),
-    (["--hf-overrides", "[1]"], "JSON object"),
-    (["--allowed-origins", '"*"'], "--allowed-origins"),
-    (["--max-model-len", "abc"], "--max-model-len"),
-    (["--port", "70000"], "--port"),
-    (["--ssl-keyfile", "k.pem"], "--ssl-certfile"),
-    (["--root-path", "api/"], "--root-path"),
-    (["--shutdown-grace-period", "-1"], "--shutdown-grace-period"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--hf-overrides", "{not json"], "--hf-overrides"),
+        (["--hf-overrides", "[1]"], "JSON object"),
+        (["--allowed-origins", '"*"'], "--allowed-origins"),
+        (["--max-model-len", "abc"], "--max-model-len"),
+        (["--port", "70000"], "--port"),
+        (["--ssl-keyfile", "k.pem"], "--ssl-certfile"),
+        (["--root-path", "api/"], "--root-path"),
+        (["--shutdown-grace-period", "-1"], "--shutdown-grace-period"),
+    ],
+)
 def test_bad_flags_exit_with_a_message_naming_the_flag(argv, fragment, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv, environ={})
@@ -68,12 +100,38 @@ def test_bad_flags_exit_with_a_message_naming_the_flag(argv, fragment, capsys):
 
 
 def test_server_flags():
-    _, s = parse_args([
-        "--host", "127.0.0.1", "--port", "9000", "--api-key", "k", "--response-role", "bot",
-        "--allowed-origins", '["http://a"]', "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["x"]',
-        "--allow-credentials", "--root-path", "/api", "--uvicorn-log-level", "warning", "--log-level", "debug",
-        "--disable-log-requests", "--max-log-len", "10", "--disable-log-stats", "--shutdown-grace-period", "3"],
-        environ={})
+    _, s = parse_args(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "9000",
+            "--api-key",
+            "k",
+            "--response-role",
+            "bot",
+            "--allowed-origins",
+            '["http://a"]',
+            "--allowed-methods",
+            '["GET", "POST"]',
+            "--allowed-headers",
+            '["x"]',
+            "--allow-credentials",
+            "--root-path",
+            "/api",
+            "--uvicorn-log-level",
+            "warning",
+            "--log-level",
+            "debug",
+            "--disable-log-requests",
+            "--max-log-len",
+            "10",
+            "--disable-log-stats",
+            "--shutdown-grace-period",
+            "3",
+        ],
+        environ={},
+    )
     assert (s.host, s.port, s.api_key, s.response_role) == ("127.0.0.1", 9000, "k", "bot")
     assert s.allowed_origins == ("http://a",) and s.allowed_methods == ("GET", "POST")
     assert s.allowed_headers == ("x",) and s.allow_credentials and s.root_path == "/api"

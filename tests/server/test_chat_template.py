@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from fake_engine import build_tokenizer
 
 from aserve.config import ConfigError
 from aserve.server.chat_template import (
@@ -39,13 +38,15 @@ class _Tok:
 def render(template_name: str, conversation=CONVERSATION, **kwargs) -> str:
     tok = _Tok([], bos="<BOS>", eos="<EOS>")
     return ChatRenderer(tok, ResolvedTemplate("test", load_bundled_template(template_name))).render(
-        conversation, **kwargs)
+        conversation, **kwargs
+    )
 
 
 def test_chatml():
     assert render("chatml.jinja") == (
         "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert not render("chatml.jinja", add_generation_prompt=False).endswith("<|im_start|>assistant\n")
 
 
@@ -55,7 +56,8 @@ def test_llama3():
         "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     tool = render("llama3.jinja", [{"role": "tool", "content": "42"}], add_generation_prompt=False)
     assert tool == "<BOS><|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"
 
@@ -104,12 +106,19 @@ def test_sandbox_and_helpers():
         renderer.render(CONVERSATION, chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(APIError):  # the immutable sandbox forbids mutating arguments
         renderer.render(CONVERSATION, chat_template="{{ messages.append(1) }}")
-    text = renderer.render(CONVERSATION[:1], chat_template="{{ messages[0] | tojson }}|{{ strftime_now('%Y') | length }}")
+    text = renderer.render(
+        CONVERSATION[:1], chat_template="{{ messages[0] | tojson }}|{{ strftime_now('%Y') | length }}"
+    )
     assert text == '{"role": "system", "content": "Be kind."}|4'
-    loops = renderer.render(CONVERSATION, chat_template="{% for m in messages %}{% if loop.index > 1 %}{% break %}"
-                            "{% endif %}{% generation %}{{ m.role }}{% endgeneration %}{% endfor %}")
+    loops = renderer.render(
+        CONVERSATION,
+        chat_template="{% for m in messages %}{% if loop.index > 1 %}{% break %}"
+        "{% endif %}{% generation %}{{ m.role }}{% endgeneration %}{% endfor %}",
+    )
     assert loops == "system"
-    kwargs = renderer.render(CONVERSATION, chat_template="{{ flavour }}", chat_template_kwargs={"flavour": "mint"})
+    kwargs = renderer.render(
+        CONVERSATION, chat_template="{{ flavour }}", chat_template_kwargs={"flavour": "mint"}
+    )
     assert kwargs == "mint"
     with pytest.raises(APIError) as info:
         renderer.render(CONVERSATION, chat_template="x", chat_template_kwargs={"messages": []})
@@ -125,8 +134,8 @@ def test_continue_final_message():
         renderer.render(conv, add_generation_prompt=True, continue_final_message=True)
 
 
-def test_render_and_tokenize_with_a_real_tokenizer():
-    tok = build_tokenizer()
+def test_render_and_tokenize_with_a_real_tokenizer(tokenizer):
+    tok = tokenizer
     renderer = ChatRenderer(tok, resolve_chat_template(tok, None))
     text, ids = renderer.render_and_tokenize([{"role": "user", "content": "hello world"}])
     assert text == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"

@@ -21,10 +21,30 @@ pytestmark = pytest.mark.timeout(120)
 def test_serving_benchmark_reports_throughput_and_latency(server, tmp_path, endpoint):
     out = tmp_path / "report.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--base-url", server.url, "--endpoint", endpoint,
-         "--num-prompts", "12", "--max-concurrency", "4", "--max-tokens", "6", "--prompt-words", "30",
-         "--request-rate", "200", "--json-out", str(out)],
-        capture_output=True, text=True, timeout=100)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serving.py"),
+            "--base-url",
+            server.url,
+            "--endpoint",
+            endpoint,
+            "--num-prompts",
+            "12",
+            "--max-concurrency",
+            "4",
+            "--max-tokens",
+            "6",
+            "--prompt-words",
+            "30",
+            "--request-rate",
+            "200",
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["completed"] == 12 and report["failed"] == 0
@@ -54,12 +74,39 @@ def test_locustfile_headless_reports_ttft_and_token_latency(server, tmp_path):
         pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
     prefix = tmp_path / "lt"
     result = subprocess.run(
-        [locust, "-f", str(ROOT / "loadtest"), "--host", server.url, "--headless", "-u", "3", "-r", "3", "-t", "3s",
-         "--max-tokens", "5", "--prompt-words", "20", "--only-summary", "--csv", str(prefix)],
-        capture_output=True, text=True, timeout=100)
+        [
+            locust,
+            "-f",
+            str(ROOT / "loadtest"),
+            "--host",
+            server.url,
+            "--headless",
+            "-u",
+            "3",
+            "-r",
+            "3",
+            "-t",
+            "3s",
+            "--max-tokens",
+            "5",
+            "--prompt-words",
+            "20",
+            "--only-summary",
+            "--csv",
+            str(prefix),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     with open(f"{prefix}_stats.csv") as f:
         rows = {row["Name"]: row for row in csv.DictReader(f)}
-    for name in ("chat.completions (stream)", "time_to_first_token", "time_per_output_token", "inter_token_latency"):
+    for name in (
+        "chat.completions (stream)",
+        "time_to_first_token",
+        "time_per_output_token",
+        "inter_token_latency",
+    ):
         assert int(rows[name]["Request Count"]) > 0, name
         assert int(rows[name]["Failure Count"]) == 0, name

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from functools import partial
@@ -11,9 +14,8 @@ import anyio
 import anyio.from_thread
 import httpx
 import pytest
-
-from conftest import quiet_args, running_server
 from fake_engine import EngineDeadError, FakeAsyncEngine, build_tokenizer
+from server_harness import quiet_args, running_server
 
 from aserve.server.launch import serve
 
@@ -44,11 +46,12 @@ def parse_sse(raw: bytes) -> list[str]:
     payloads = []
     for e in events:
         assert e.startswith("data: ") and "\n" not in e, e
-        payloads.append(e[len("data: "):])
+        payloads.append(e[len("data: ") :])
     return payloads
 
 
 # -- SSE framing ------------------------------------------------------------------------------------
+
 
 def test_chat_sse_framing(http):
     r = http.post(CHAT, json={"messages": USER, "max_tokens": 3, "stream": True})
@@ -74,6 +77,7 @@ def test_completion_sse_framing_with_echo(http):
 
 # -- errors -----------------------------------------------------------------------------------------
 
+
 def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     assert r.status_code == status, r.text
     body = r.json()
@@ -86,53 +90,66 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     return err
 
 
-@pytest.mark.parametrize("path, body, param", [
-    (CHAT, {"messages": USER, "n": "two"}, "n"),
-    (CHAT, {"messages": USER, "temperature": -1}, "temperature"),
-    (CHAT, {"messages": USER, "top_p": 0}, "top_p"),
-    (CHAT, {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
-    (CHAT, {"messages": USER, "n": 0}, "n"),
-    (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
-    (CHAT, {"messages": USER, "bogus_field": 1}, "bogus_field"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    (CHAT, {"messages": []}, "messages"),
-    (CHAT, {}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0].type"),
-    (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
-    (CHAT, {"messages": USER, "logit_bias": {"99999": 1}}, "logit_bias"),
-    (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
-    (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
-    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    (CHAT, {"messages": USER, "stop_token_ids": [99999]}, "stop_token_ids"),
-    (CHAT, {"messages": USER, "stop": [""]}, "stop"),
-    (CHAT, {"messages": USER, "add_generation_prompt": True, "continue_final_message": True},
-     "continue_final_message"),
-    (CHAT, {"messages": USER, "chat_template": "{% for %}"}, "chat_template"),
-    (CHAT, {"messages": USER, "chat_template": "{{ raise_exception('nope') }}"}, "messages"),
-    (CHAT, {"messages": USER, "chat_template": "{{ ''.__class__.__mro__ }}"}, "messages"),
-    (CHAT, {"messages": USER, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    (COMPLETIONS, {"prompt": "hi", "suffix": "bye"}, "suffix"),
-    (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, "logprobs"),
-    (COMPLETIONS, {"prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
-    (COMPLETIONS, {"prompt": "hi", "best_of": 3, "n": 1, "stream": True}, "best_of"),
-    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
-    (COMPLETIONS, {"prompt": []}, "prompt"),
-    (COMPLETIONS, {"prompt": [[]]}, "prompt[0]"),
-    (COMPLETIONS, {"prompt": [123456789]}, "prompt"),
-    (COMPLETIONS, {"prompt": 5}, "prompt"),
-    (COMPLETIONS, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, {"messages": USER, "n": "two"}, "n"),
+        (CHAT, {"messages": USER, "temperature": -1}, "temperature"),
+        (CHAT, {"messages": USER, "top_p": 0}, "top_p"),
+        (CHAT, {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
+        (CHAT, {"messages": USER, "n": 0}, "n"),
+        (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": USER, "bogus_field": 1}, "bogus_field"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {}, "messages"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
+        (CHAT, {"messages": USER, "logit_bias": {"99999": 1}}, "logit_bias"),
+        (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+        (CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+        (CHAT, {"messages": USER, "stop_token_ids": [99999]}, "stop_token_ids"),
+        (CHAT, {"messages": USER, "stop": [""]}, "stop"),
+        (
+            CHAT,
+            {"messages": USER, "add_generation_prompt": True, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        (CHAT, {"messages": USER, "chat_template": "{% for %}"}, "chat_template"),
+        (CHAT, {"messages": USER, "chat_template": "{{ raise_exception('nope') }}"}, "messages"),
+        (CHAT, {"messages": USER, "chat_template": "{{ ''.__class__.__mro__ }}"}, "messages"),
+        (CHAT, {"messages": USER, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        (COMPLETIONS, {"prompt": "hi", "suffix": "bye"}, "suffix"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, "logprobs"),
+        (COMPLETIONS, {"prompt": "hi", "best_of": 1, "n": 2}, "best_of"),
+        (COMPLETIONS, {"prompt": "hi", "best_of": 3, "n": 1, "stream": True}, "best_of"),
+        (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": [[]]}, "prompt[0]"),
+        (COMPLETIONS, {"prompt": [123456789]}, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ],
+)
 def test_invalid_fields_are_400_naming_the_field(http, path, body, param):
     err = _error(http.post(path, json=body), 400, param)
     assert err["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_empty_body(http):
-    assert _error(http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}),
-                  400)["code"] == "invalid_json"
+    assert (
+        _error(http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}), 400)[
+            "code"
+        ]
+        == "invalid_json"
+    )
     assert _error(http.post(COMPLETIONS, content=b""), 400)["code"] == "invalid_json"
     _error(http.post(CHAT, content=b"[1, 2]"), 400)
 
@@ -142,16 +159,29 @@ def test_context_length(http, tokenizer):
     err = _error(http.post(COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
     assert err["code"] == "context_length_exceeded" and "256" in err["message"]
     prompt_len = len(tokenizer.encode("alpha beta"))
-    err = _error(http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len + 1}), 400,
-                 "max_tokens")
+    err = _error(
+        http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len + 1}),
+        400,
+        "max_tokens",
+    )
     assert "256" in err["message"]
     ok = http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len})
     assert ok.status_code == 200
-    err = _error(http.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}), 400, "messages")
+    err = _error(
+        http.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}), 400, "messages"
+    )
     assert err["code"] == "context_length_exceeded"
-    _error(http.post(CHAT, json={"messages": USER, "max_completion_tokens": 1000}), 400, "max_completion_tokens")
-    truncated = http.post(COMPLETIONS, json={"prompt": long_prompt, "truncate_prompt_tokens": 10, "max_tokens": 2})
+    _error(
+        http.post(CHAT, json={"messages": USER, "max_completion_tokens": 1000}), 400, "max_completion_tokens"
+    )
+    truncated = http.post(
+        COMPLETIONS, json={"prompt": long_prompt, "truncate_prompt_tokens": 10, "max_tokens": 2}
+    )
     assert truncated.status_code == 200 and truncated.json()["usage"]["prompt_tokens"] == 10
+    chat = http.post(
+        CHAT, json={"messages": USER, "truncate_prompt_tokens": 3, "max_tokens": 2, "echo": False}
+    )
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3
 
 
 def test_chat_default_max_tokens_fills_the_context(server, engine):
@@ -197,6 +227,7 @@ def test_unhealthy_engine_gives_503(http, engine):
 
 # -- disconnects ------------------------------------------------------------------------------------
 
+
 def test_stream_disconnect_aborts_and_frees_blocks(server, engine):
     engine.step_delay = 0.02
     try:
@@ -229,9 +260,16 @@ def test_non_stream_disconnect_aborts(server, engine):
 
 # -- CORS, root path ----------------------------------------------------------------------------------
 
+
 def test_cors_preflight_and_simple_request(http):
-    pre = http.options(CHAT, headers={"Origin": "http://a.test", "Access-Control-Request-Method": "POST",
-                                      "Access-Control-Request-Headers": "content-type"})
+    pre = http.options(
+        CHAT,
+        headers={
+            "Origin": "http://a.test",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
     assert pre.status_code == 200
     assert pre.headers["access-control-allow-origin"] in ("*", "http://a.test")
     assert "POST" in pre.headers["access-control-allow-methods"]
@@ -243,13 +281,19 @@ def test_restricted_cors_and_root_path(tokenizer):
     args = quiet_args(allowed_origins=("http://good.test",), root_path="/api")
     with running_server(FakeAsyncEngine(tokenizer), args) as address:
         with httpx.Client(base_url=address.url) as client:
-            ok = client.options(CHAT, headers={"Origin": "http://good.test", "Access-Control-Request-Method": "POST"})
+            ok = client.options(
+                CHAT, headers={"Origin": "http://good.test", "Access-Control-Request-Method": "POST"}
+            )
             assert ok.headers["access-control-allow-origin"] == "http://good.test"
-            bad = client.options(CHAT, headers={"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"})
+            bad = client.options(
+                CHAT, headers={"Origin": "http://evil.test", "Access-Control-Request-Method": "POST"}
+            )
             assert bad.status_code == 400
             assert client.get("/api/v1/models").json()["data"][0]["id"] == "fake-model"
             assert client.get("/v1/models").status_code == 200
-            assert client.post("/api/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+            assert (
+                client.post("/api/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+            )
 
 
 def test_no_chat_template_is_a_clear_400():
@@ -258,8 +302,14 @@ def test_no_chat_template_is_a_clear_400():
         with httpx.Client(base_url=address.url) as client:
             err = _error(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
             assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
-            inline = client.post(CHAT, json={"messages": USER, "max_tokens": 2,
-                                             "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+            inline = client.post(
+                CHAT,
+                json={
+                    "messages": USER,
+                    "max_tokens": 2,
+                    "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+                },
+            )
             assert inline.status_code == 200
             assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
@@ -274,6 +324,7 @@ def test_chat_template_flag_overrides(tokenizer):
 
 
 # -- shutdown and engine death ----------------------------------------------------------------------
+
 
 def test_draining_refuses_new_requests_and_finishes_in_flight(tokenizer):
     engine = FakeAsyncEngine(tokenizer)
@@ -324,10 +375,49 @@ def test_engine_death_ends_streams_and_fails_serve(tokenizer):
                 assert next(lines).startswith("data: ")
                 portal.call(engine.kill, RuntimeError("boom"))
                 rest = [line for line in lines if line]
-        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_error"
+        assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_error"
         assert rest[-1] == "data: [DONE]"
         with pytest.raises(BaseException) as info:
             future.result(timeout=10)
         group = info.value
         causes = group.exceptions if isinstance(group, BaseExceptionGroup) else [group]
         assert any(isinstance(c, EngineDeadError) for c in causes)
+
+
+def test_tls(tokenizer, tmp_path):
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    args = quiet_args(ssl_keyfile=str(key), ssl_certfile=str(cert))
+    with running_server(FakeAsyncEngine(tokenizer), args) as address:
+        url = f"https://127.0.0.1:{address.port}"
+        with httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=str(cert))) as client:
+            assert client.get("/health").status_code == 200
+            r = client.post(COMPLETIONS, json={"prompt": "secure", "max_tokens": 2, "stream": True})
+            assert parse_sse(r.content)[-1] == "[DONE]"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{address.port}/health", timeout=5)

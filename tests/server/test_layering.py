@@ -28,12 +28,16 @@ def test_server_modules_do_not_import_torch_model_or_runner():
     assert len(files) >= 10
     for path in files:
         for name in _module_level_imports(path):
-            assert not any(name == f or name.startswith(f + ".") for f in FORBIDDEN), f"{path.name} imports {name}"
+            assert not any(name == f or name.startswith(f + ".") for f in FORBIDDEN), (
+                f"{path.name} imports {name}"
+            )
 
 
 def test_importing_the_server_loads_no_torch():
-    code = ("import sys; import aserve.server.cli, aserve.server.launch, aserve.server.app; "
-            f"bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or "
-            f"m.startswith(('aserve.model', 'aserve.runner'))]; print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys; import aserve.server.cli, aserve.server.launch, aserve.server.app; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or "
+        "m.startswith(('aserve.model', 'aserve.runner'))]; print(bad); sys.exit(1 if bad else 0)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -17,10 +17,19 @@ def _samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
 
 
 def _finished(reason: str, prompt: int = 5, generated: int = 3) -> FinishedRequestStats:
-    return FinishedRequestStats(finish_reason=reason, e2e_latency=1.5, num_prompt_tokens=prompt,
-                                num_generation_tokens=generated, max_tokens_param=16, n=2, queue_time=0.1,
-                                prefill_time=0.2, decode_time=1.0, inference_time=1.2,
-                                mean_time_per_output_token=0.5)
+    return FinishedRequestStats(
+        finish_reason=reason,
+        e2e_latency=1.5,
+        num_prompt_tokens=prompt,
+        num_generation_tokens=generated,
+        max_tokens_param=16,
+        n=2,
+        queue_time=0.1,
+        prefill_time=0.2,
+        decode_time=1.0,
+        inference_time=1.2,
+        mean_time_per_output_token=0.5,
+    )
 
 
 def test_token_buckets():
@@ -32,13 +41,28 @@ def test_prometheus_logger_records_everything():
     m = (("model_name", "m"),)
     before = _samples(p)
     assert before[("aserve:prompt_tokens_total", m)] == 0  # series exist before any request
-    p.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, num_swapped_reqs=1, kv_cache_usage=0.25,
-                            prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=2),
-             IterationStats(num_prompt_tokens=10, num_generation_tokens=4, time_to_first_tokens=[0.05, 0.07],
-                            inter_token_latencies=[0.01, 0.02, 0.03],
-                            finished_requests=[_finished("stop"), _finished("length"), _finished("abort")]))
+    p.record(
+        SchedulerStats(
+            num_running_reqs=3,
+            num_waiting_reqs=2,
+            num_swapped_reqs=1,
+            kv_cache_usage=0.25,
+            prefix_cache_queries=100,
+            prefix_cache_hits=40,
+            num_preemptions=2,
+        ),
+        IterationStats(
+            num_prompt_tokens=10,
+            num_generation_tokens=4,
+            time_to_first_tokens=[0.05, 0.07],
+            inter_token_latencies=[0.01, 0.02, 0.03],
+            finished_requests=[_finished("stop"), _finished("length"), _finished("abort")],
+        ),
+    )
     # cumulative scheduler counters turn into counter increments
-    p.record(SchedulerStats(prefix_cache_queries=150, prefix_cache_hits=45, num_preemptions=2), IterationStats())
+    p.record(
+        SchedulerStats(prefix_cache_queries=150, prefix_cache_hits=45, num_preemptions=2), IterationStats()
+    )
     s = _samples(p)
     assert s[("aserve:num_requests_running", m)] == 0  # the latest snapshot
     assert s[("aserve:prefix_cache_queries_total", m)] == 150
@@ -57,15 +81,23 @@ def test_prometheus_logger_records_everything():
     assert s[("aserve:request_generation_tokens_sum", m)] == 9
     assert s[("aserve:request_params_n_sum", m)] == 6
     assert s[("aserve:request_params_max_tokens_sum", m)] == 48
-    for name in ("request_queue_time_seconds", "request_inference_time_seconds", "request_prefill_time_seconds",
-                 "request_decode_time_seconds", "request_time_per_output_token_seconds"):
+    for name in (
+        "request_queue_time_seconds",
+        "request_inference_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_time_per_output_token_seconds",
+    ):
         assert s[(f"aserve:{name}_count", m)] == 3, name
     p.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.5), IterationStats())
     s = _samples(p)
     assert s[("aserve:num_requests_running", m)] == 3
     assert s[("aserve:gpu_cache_usage_perc", m)] == 0.5 == s[("aserve:kv_cache_usage_perc", m)]
     p.record_rejected("invalid_request")
-    assert _samples(p)[("aserve:request_failure_total", (("model_name", "m"), ("reason", "invalid_request")))] == 1
+    assert (
+        _samples(p)[("aserve:request_failure_total", (("model_name", "m"), ("reason", "invalid_request")))]
+        == 1
+    )
 
 
 def test_registries_are_per_instance():
@@ -79,12 +111,26 @@ def test_logging_stat_logger_line():
     lines = []
     logger = LoggingStatLogger(interval=5.0, clock=lambda: now[0], log=lines.append)
     assert logger.format_line() is None  # idle: no line
-    logger.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=1, kv_cache_usage=0.125,
-                                 prefix_cache_queries=200, prefix_cache_hits=50),
-                  IterationStats(num_prompt_tokens=100, num_generation_tokens=40))
-    logger.record(SchedulerStats(num_running_reqs=4, num_waiting_reqs=1, kv_cache_usage=0.125,
-                                 prefix_cache_queries=200, prefix_cache_hits=50),
-                  IterationStats(num_generation_tokens=10))
+    logger.record(
+        SchedulerStats(
+            num_running_reqs=4,
+            num_waiting_reqs=1,
+            kv_cache_usage=0.125,
+            prefix_cache_queries=200,
+            prefix_cache_hits=50,
+        ),
+        IterationStats(num_prompt_tokens=100, num_generation_tokens=40),
+    )
+    logger.record(
+        SchedulerStats(
+            num_running_reqs=4,
+            num_waiting_reqs=1,
+            kv_cache_usage=0.125,
+            prefix_cache_queries=200,
+            prefix_cache_hits=50,
+        ),
+        IterationStats(num_generation_tokens=10),
+    )
     now[0] += 10.0
     line = logger.format_line()
     assert "Avg prompt throughput: 10.0 tokens/s" in line

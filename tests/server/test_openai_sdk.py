@@ -6,10 +6,9 @@ import anyio
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from conftest import quiet_args, running_server
 from fake_engine import FakeAsyncEngine
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import quiet_args, running_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +37,9 @@ def test_models_list(client):
 
 
 def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, tokenizer):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello world"}],
-                                          temperature=0, max_tokens=6)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello world"}], temperature=0, max_tokens=6
+    )
     prompt_ids, params = _last_added(engine)
     assert prompt_ids == tokenizer.encode(CHATML_USER.format("hello world"), add_special_tokens=False)
     assert params.max_tokens == 6 and params.temperature == 0
@@ -55,29 +55,44 @@ def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, 
 
 
 def test_chat_alias_model_name_is_echoed(client):
-    resp = client.chat.completions.create(model="fake-alias", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=2)
+    resp = client.chat.completions.create(
+        model="fake-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert resp.model == "fake-alias"
 
 
 def test_chat_content_parts_and_system_role(client, engine, tokenizer):
     client.chat.completions.create(
-        model=MODEL, max_tokens=2,
-        messages=[{"role": "system", "content": "be brief"},
-                  {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
-                  {"role": "assistant", "content": "three"},
-                  {"role": "user", "content": "four"}])
+        model=MODEL,
+        max_tokens=2,
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": "three"},
+            {"role": "user", "content": "four"},
+        ],
+    )
     prompt_ids, _ = _last_added(engine)
-    expected = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\none\ntwo<|im_end|>\n"
-                "<|im_start|>assistant\nthree<|im_end|>\n" + CHATML_USER.format("four"))
+    expected = (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\none\ntwo<|im_end|>\n"
+        "<|im_start|>assistant\nthree<|im_end|>\n" + CHATML_USER.format("four")
+    )
     assert tokenizer.decode(prompt_ids) == expected
 
 
 def test_chat_stream_matches_non_stream(client, engine, tokenizer):
     messages = [{"role": "user", "content": "the quick brown fox"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[0].choices[0].delta.content == ""
     choice_chunks = [c for c in chunks if c.choices]
@@ -93,17 +108,29 @@ def test_chat_stream_matches_non_stream(client, engine, tokenizer):
 
 
 def test_chat_continuous_usage_stats(client):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=4, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 4
     assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
 
 
 def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokenizer):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "many"}], n=3,
-                                          seed=11, temperature=1.0, max_tokens=5)
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "many"}],
+        n=3,
+        seed=11,
+        temperature=1.0,
+        max_tokens=5,
+    )
     prompt_ids, params = _last_added(engine)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     for c in resp.choices:
@@ -113,8 +140,9 @@ def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokeniz
 
 
 def test_chat_stream_n_tracks_each_index(client):
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "many"}], n=2,
-                                            seed=3, max_tokens=4, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "many"}], n=2, seed=3, max_tokens=4, stream=True
+    )
     texts, finish = {0: "", 1: ""}, {}
     roles = set()
     for chunk in stream:
@@ -126,15 +154,26 @@ def test_chat_stream_n_tracks_each_index(client):
                 finish[c.index] = c.finish_reason
     assert roles == {0, 1}
     assert finish == {0: "length", 1: "length"}
-    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "many"}], n=2,
-                                          seed=3, max_tokens=4)
+    full = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "many"}], n=2, seed=3, max_tokens=4
+    )
     assert texts == {c.index: c.message.content for c in full.choices}
 
 
 def test_seed_reproducibility(client):
     def ask(seed):
-        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "random"}],
-                                              temperature=1.0, seed=seed, max_tokens=8).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "random"}],
+                temperature=1.0,
+                seed=seed,
+                max_tokens=8,
+            )
+            .choices[0]
+            .message.content
+        )
+
     assert ask(5) == ask(5)
     assert ask(5) != ask(6)
 
@@ -146,8 +185,9 @@ def test_chat_stop_string(client, engine, tokenizer):
     tokens = engine.expected_token_ids(prompt_ids, params)
     stop_word = tokenizer.decode([tokens[4]])
     first = tokenizer.decode(tokens).find(stop_word)
-    resp = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10,
-                                          stop=[stop_word])
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=10, stop=[stop_word]
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content == free.choices[0].message.content[:first]
@@ -155,8 +195,14 @@ def test_chat_stop_string(client, engine, tokenizer):
 
 
 def test_chat_logprobs(client, engine, tokenizer):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "lp"}], max_tokens=4,
-                                          logprobs=True, top_logprobs=2, temperature=0)
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "lp"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0,
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == 4
     assert "".join(e.token for e in content) == resp.choices[0].message.content
@@ -169,11 +215,26 @@ def test_chat_logprobs(client, engine, tokenizer):
 
 def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):
     client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=3, presence_penalty=0.5,
-        frequency_penalty=0.25, logit_bias={"5": 1.0}, user="u1",
-        extra_body={"top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True,
-                    "stop_token_ids": [3], "skip_special_tokens": False, "include_stop_str_in_output": True,
-                    "spaces_between_special_tokens": False, "priority": 2})
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_completion_tokens=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logit_bias={"5": 1.0},
+        user="u1",
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "min_tokens": 1,
+            "ignore_eos": True,
+            "stop_token_ids": [3],
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+            "spaces_between_special_tokens": False,
+            "priority": 2,
+        },
+    )
     request_id, _, params, priority = engine.added[-1]
     assert (params.max_tokens, params.presence_penalty, params.frequency_penalty) == (3, 0.5, 0.25)
     assert params.logit_bias == {5: 1.0}
@@ -185,9 +246,12 @@ def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):
 
 def test_chat_echo_and_continue_final_message(client, engine, tokenizer):
     resp = client.chat.completions.create(
-        model=MODEL, max_tokens=3, temperature=0,
+        model=MODEL,
+        max_tokens=3,
+        temperature=0,
         messages=[{"role": "user", "content": "finish this"}, {"role": "assistant", "content": "the quick"}],
-        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True})
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
+    )
     prompt_ids, params = _last_added(engine)
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\nthe quick")
     text = resp.choices[0].message.content
@@ -208,19 +272,22 @@ def test_completions_prompt_forms(client, tokenizer):
     by_text = client.completions.create(model=MODEL, prompt="one two three", max_tokens=3, temperature=0)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    many = client.completions.create(model=MODEL, prompt=["one two three", "red green"], max_tokens=3,
-                                     temperature=0, n=2)
+    many = client.completions.create(
+        model=MODEL, prompt=["one two three", "red green"], max_tokens=3, temperature=0, n=2
+    )
     assert [c.index for c in many.choices] == [0, 1, 2, 3]
     assert many.choices[0].text == by_text.choices[0].text
     assert many.usage.prompt_tokens == len(ids) + len(tokenizer.encode("red green"))
-    id_lists = client.completions.create(model=MODEL, prompt=[ids, tokenizer.encode("red green")], max_tokens=3,
-                                         temperature=0)
+    id_lists = client.completions.create(
+        model=MODEL, prompt=[ids, tokenizer.encode("red green")], max_tokens=3, temperature=0
+    )
     assert [c.text for c in id_lists.choices] == [many.choices[0].text, many.choices[2].text]
 
 
 def test_completions_echo_logprobs(client, tokenizer):
-    resp = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3, logprobs=2, echo=True,
-                                     temperature=0)
+    resp = client.completions.create(
+        model=MODEL, prompt="hello world", max_tokens=3, logprobs=2, echo=True, temperature=0
+    )
     lp = resp.choices[0].logprobs
     prompt_len = len(tokenizer.encode("hello world"))
     assert resp.choices[0].text.startswith("hello world")
@@ -239,8 +306,16 @@ def test_completions_best_of(client):
 
 def test_completions_stream(client):
     full = client.completions.create(model=MODEL, prompt=["the cat", "the dog"], max_tokens=4, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=["the cat", "the dog"], max_tokens=4,
-                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["the cat", "the dog"],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = {0: "", 1: ""}
     finish = {}
     for ch in chunks:
@@ -256,10 +331,16 @@ def test_completions_stream(client):
 @pytest.mark.anyio
 async def test_async_client_stream_and_non_stream(server, engine, tokenizer):
     async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
-        full = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "async"}],
-                                                    temperature=0, max_tokens=5)
-        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "async"}],
-                                                      temperature=0, max_tokens=5, stream=True)
+        full = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "async"}], temperature=0, max_tokens=5
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "async"}],
+            temperature=0,
+            max_tokens=5,
+            stream=True,
+        )
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text == full.choices[0].message.content
         comp = await client.completions.create(model=MODEL, prompt="async", max_tokens=3, stream=True)
@@ -274,7 +355,12 @@ async def test_32_concurrent_streams_complete_with_correct_text(server, engine, 
 
     async def one(client, prompt):
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=12, stream=True)
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+        )
         text, finish = "", None
         async for chunk in stream:
             if chunk.choices:
@@ -284,11 +370,14 @@ async def test_32_concurrent_streams_complete_with_correct_text(server, engine, 
 
     results: dict[str, tuple[str, str]] = {}
     limits = httpx.Limits(max_connections=64)
-    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                                  http_client=httpx.AsyncClient(limits=limits)) as client:
+    async with openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="x", max_retries=0, http_client=httpx.AsyncClient(limits=limits)
+    ) as client:
         async with anyio.create_task_group() as tg:
+
             async def run(p):
                 results[p] = await one(client, p)
+
             for p in prompts:
                 tg.start_soon(run, p)
     params = engine.added[-1][2]
@@ -329,26 +418,45 @@ def test_metrics_counters_move(client, server):
         before = _metrics(http)
         for _ in range(3):
             client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4)
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=2,
-                                       stop=None)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=2, stop=None
+        )
         http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
         after = _metrics(http)
     key = "aserve:request_success_total{finished_reason=length}"
     assert after[key] - before.get(key, 0) == 4
     assert after["aserve:generation_tokens_total"] - before["aserve:generation_tokens_total"] == 14
     assert after["aserve:prompt_tokens_total"] > before["aserve:prompt_tokens_total"]
-    assert after["aserve:e2e_request_latency_seconds_count"] - before["aserve:e2e_request_latency_seconds_count"] == 4
-    assert after["aserve:request_generation_tokens_sum"] - before["aserve:request_generation_tokens_sum"] == 14
-    assert after["aserve:time_to_first_token_seconds_count"] > before["aserve:time_to_first_token_seconds_count"]
+    assert (
+        after["aserve:e2e_request_latency_seconds_count"] - before["aserve:e2e_request_latency_seconds_count"]
+        == 4
+    )
+    assert (
+        after["aserve:request_generation_tokens_sum"] - before["aserve:request_generation_tokens_sum"] == 14
+    )
+    assert (
+        after["aserve:time_to_first_token_seconds_count"] > before["aserve:time_to_first_token_seconds_count"]
+    )
     assert after["aserve:request_failure_total{reason=invalid_request}"] >= 1
-    for name in ("aserve:num_requests_running", "aserve:num_requests_waiting", "aserve:num_requests_swapped",
-                 "aserve:gpu_cache_usage_perc", "aserve:kv_cache_usage_perc", "aserve:prefix_cache_queries_total",
-                 "aserve:prefix_cache_hits_total", "aserve:num_preemptions_total",
-                 "aserve:request_params_n_count", "aserve:request_params_max_tokens_count",
-                 "aserve:inter_token_latency_seconds_count", "aserve:time_per_output_token_seconds_count",
-                 "aserve:request_queue_time_seconds_count", "aserve:request_inference_time_seconds_count",
-                 "aserve:request_prefill_time_seconds_count", "aserve:request_decode_time_seconds_count",
-                 "aserve:request_prompt_tokens_count"):
+    for name in (
+        "aserve:num_requests_running",
+        "aserve:num_requests_waiting",
+        "aserve:num_requests_swapped",
+        "aserve:gpu_cache_usage_perc",
+        "aserve:kv_cache_usage_perc",
+        "aserve:prefix_cache_queries_total",
+        "aserve:prefix_cache_hits_total",
+        "aserve:num_preemptions_total",
+        "aserve:request_params_n_count",
+        "aserve:request_params_max_tokens_count",
+        "aserve:inter_token_latency_seconds_count",
+        "aserve:time_per_output_token_seconds_count",
+        "aserve:request_queue_time_seconds_count",
+        "aserve:request_inference_time_seconds_count",
+        "aserve:request_prefill_time_seconds_count",
+        "aserve:request_decode_time_seconds_count",
+        "aserve:request_prompt_tokens_count",
+    ):
         assert name in after, name
 
 
@@ -366,8 +474,13 @@ def test_api_key(tokenizer):
             assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
             assert http.get("/health").status_code == 200
             assert http.get("/metrics").status_code == 200
-            preflight = http.options("/v1/chat/completions", headers={
-                "Origin": "http://example.test", "Access-Control-Request-Method": "POST",
-                "Access-Control-Request-Headers": "authorization, content-type"})
+            preflight = http.options(
+                "/v1/chat/completions",
+                headers={
+                    "Origin": "http://example.test",
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type",
+                },
+            )
             assert preflight.status_code == 200
             assert preflight.headers["access-control-allow-origin"] in ("*", "http://example.test")

@@ -15,8 +15,8 @@ import anyio.from_thread
 import httpx
 import openai
 import pytest
+from server_harness import quiet_args
 
-from conftest import quiet_args
 from aserve.config import EngineArgs
 from aserve.server.args import ServerArgs
 from aserve.server.launch import serve
@@ -68,8 +68,16 @@ def test_chat_stream_equals_non_stream(client):
     choice = full.choices[0]
     assert choice.message.content and choice.finish_reason in ("stop", "length")
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -77,15 +85,20 @@ def test_chat_stream_equals_non_stream(client):
 
 
 def test_completions_echo_logprobs_and_n(client):
-    resp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
-                                     logprobs=2, echo=True)
+    resp = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
     lp = resp.choices[0].logprobs
     assert resp.choices[0].text.startswith("The capital of France is")
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     assert len(lp.tokens) == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    many = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, n=2, seed=3)
+    many = client.completions.create(
+        model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, n=2, seed=3
+    )
     assert [c.index for c in many.choices] == [0, 1, 2, 3]
-    again = client.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, n=2, seed=3)
+    again = client.completions.create(
+        model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=4, n=2, seed=3
+    )
     assert [c.text for c in again.choices] == [c.text for c in many.choices]
 
 
@@ -93,15 +106,23 @@ def test_completions_echo_logprobs_and_n(client):
 async def test_concurrent_streams_complete_with_the_solo_text(real):
     _, address = real
     prompts = [f"Write a short sentence about the number {i}." for i in range(8)]
-    async with openai.AsyncOpenAI(base_url=f"{address.url}/v1", api_key="x", max_retries=0, timeout=300) as client:
+    async with openai.AsyncOpenAI(
+        base_url=f"{address.url}/v1", api_key="x", max_retries=0, timeout=300
+    ) as client:
         solo = {}
         for p in prompts[:3]:
             r = await client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
             solo[p] = r.choices[0].text
 
         async def stream(p: str, out: dict) -> None:
-            s = await client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True,
-                                                stream_options={"include_usage": True})
+            s = await client.completions.create(
+                model=MODEL,
+                prompt=p,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             text, finish, usage = "", None, None
             async for chunk in s:
                 if chunk.choices:
@@ -116,7 +137,7 @@ async def test_concurrent_streams_complete_with_the_solo_text(real):
             for p in prompts:
                 tg.start_soon(stream, p, results)
     assert len(results) == len(prompts)
-    for p, (text, finish, usage) in results.items():
+    for _text, finish, usage in results.values():
         assert finish in ("stop", "length") and usage.completion_tokens >= 1
     for p, text in solo.items():
         assert results[p][0] == text
@@ -126,37 +147,51 @@ def test_disconnect_frees_kv_blocks(real):
     engine, address = real
     wait_until(lambda: engine.get_scheduler_stats().num_running_reqs == 0)
     with httpx.Client(base_url=address.url, timeout=60) as http:
-        with http.stream("POST", "/v1/completions",
-                         json={"prompt": "Tell me a long story.", "max_tokens": 400, "stream": True,
-                               "ignore_eos": True}) as r:
+        with http.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "Tell me a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True},
+        ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             assert engine.get_scheduler_stats().num_used_blocks > 0
     # closing the stream aborted the request: its blocks are back within a step
-    wait_until(lambda: engine.get_scheduler_stats().num_running_reqs == 0
-               and engine.get_scheduler_stats().num_used_blocks == 0)
+    wait_until(
+        lambda: (
+            engine.get_scheduler_stats().num_running_reqs == 0
+            and engine.get_scheduler_stats().num_used_blocks == 0
+        )
+    )
 
 
 def test_metrics_move_with_real_engine(client, real):
     _, address = real
     with httpx.Client(base_url=address.url) as http:
         before = http.get("/metrics").text
-        client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+        )
         after = http.get("/metrics").text
 
     def value(text: str, name: str) -> float:
         return sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
 
     assert value(after, "aserve:request_success_total") == value(before, "aserve:request_success_total") + 1
-    assert value(after, "aserve:generation_tokens_total") >= value(before, "aserve:generation_tokens_total") + 3
+    assert (
+        value(after, "aserve:generation_tokens_total") >= value(before, "aserve:generation_tokens_total") + 3
+    )
 
 
 def test_cli_serves_and_exits_0_on_sigterm():
     args = ["--host", "127.0.0.1", "--port", "0", "--disable-log-stats", "--disable-log-requests"]
     for k, v in ENGINE_ARGS.items():
         args += ["--" + k.replace("_", "-"), str(v)]
-    proc = subprocess.Popen([sys.executable, "-m", "aserve.server.cli", *args], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve.server.cli", *args],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         url = None
         log = []
@@ -170,10 +205,15 @@ def test_cli_serves_and_exits_0_on_sigterm():
         assert url, "".join(log)
         with httpx.Client(base_url=url, timeout=120) as http:
             assert http.get("/health").status_code == 200
-            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                       "max_tokens": 4, "stream": True})
+            r = http.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True},
+            )
             assert r.text.endswith("data: [DONE]\n\n")
-            assert json.loads(r.text.split("\n\n")[0][len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+            assert (
+                json.loads(r.text.split("\n\n")[0][len("data: ") :])["choices"][0]["delta"]["role"]
+                == "assistant"
+            )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

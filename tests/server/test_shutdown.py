@@ -20,8 +20,12 @@ _MAIN = Path(__file__).parent / "fake_server_main.py"
 
 
 def start_server(step_delay: float, grace: float) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen([sys.executable, str(_MAIN), str(step_delay), str(grace)], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(_MAIN), str(step_delay), str(grace)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     log: list[str] = []
     deadline = time.monotonic() + 60
     assert proc.stderr is not None
@@ -47,8 +51,9 @@ def test_signal_drains_in_flight_refuses_new_and_exits_0(signum):
 
         def in_flight():
             with httpx.Client(base_url=url, timeout=30) as client:
-                with client.stream("POST", "/v1/completions",
-                                   json={"prompt": "hello", "max_tokens": 30, "stream": True}) as r:
+                with client.stream(
+                    "POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 30, "stream": True}
+                ) as r:
                     lines = []
                     for line in r.iter_lines():
                         if line:
@@ -66,7 +71,7 @@ def test_signal_drains_in_flight_refuses_new_and_exits_0(signum):
         thread.join(30)
         lines = result["lines"]
         assert lines[-1] == "data: [DONE]"
-        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
         assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) == 30
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(30) == 0, "".join(log)
@@ -85,9 +90,12 @@ def test_grace_period_cuts_off_long_requests():
         def in_flight():
             try:
                 with httpx.Client(base_url=url, timeout=30) as client:
-                    with client.stream("POST", "/v1/completions",
-                                       json={"prompt": "hello", "max_tokens": 1000, "stream": True}) as r:
-                        for line in r.iter_lines():
+                    with client.stream(
+                        "POST",
+                        "/v1/completions",
+                        json={"prompt": "hello", "max_tokens": 1000, "stream": True},
+                    ) as r:
+                        for _line in r.iter_lines():
                             got_first.set()
                 result["ended"] = "closed"
             except httpx.TransportError:

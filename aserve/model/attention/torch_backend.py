@@ -2,18 +2,56 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from aserve.kernels import reference
 from aserve.model.attention.base import AttentionMetadata
 
 
+@dataclass
+class _PrefillSeq:
+    q_start: int
+    q_end: int
+    seq_len: int
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+    mask: torch.Tensor | None  # see reference.prefill_mask
+
+
+@dataclass
+class _StepPlan:
+    """Everything the layers share within one step, derived from the metadata once."""
+
+    block_size: int
+    slots: torch.Tensor  # int64: destination slots of the tokens that are written
+    valid_rows: torch.Tensor | None  # rows of k/v to write; None = the first num_tokens rows
+    decode_block_ids: torch.Tensor | None  # int64 [num_decodes * blocks_per_decode]
+    decode_mask: torch.Tensor | None  # bool [num_decodes, blocks_per_decode * block_size]
+    prefills: list[_PrefillSeq]
+
+
 class TorchAttentionBackend:
-    """Writes K/V with `reshape_and_cache`, then runs decodes as one batched masked SDPA and each
-    prefill/extend sequence as its own (offset-)causal SDPA. Uses only the metadata's host lists
-    for shapes, so it never syncs with the device."""
+    """Writes K/V with `reshape_and_cache`, then runs all decodes as one batched masked SDPA and each
+    prefill/extend sequence as its own (offset-)causal SDPA.
+
+    Shapes come from the metadata's host lists, so it never syncs with the device except to check
+    for skipped (-1) slots once per step. Gathered K/V go into grow-only buffers reused by every
+    layer. Call `begin_forward(meta)` once per model forward to share the per-step plan (block
+    indices, masks) across layers; without it each call plans on its own.
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._step_meta: AttentionMetadata | None = None
+        self._plan: _StepPlan | None = None
+        self._buffers: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        """Mark the start of a forward pass over `meta` (the plan is rebuilt on first use)."""
+        self._step_meta = meta
+        self._plan = None
 
     def forward(
         self,
@@ -24,31 +62,77 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens = meta.num_tokens
-        reference.reshape_and_cache(k[:num_tokens], v[:num_tokens], kv_cache, meta.slot_mapping[:num_tokens],
-                                    meta.k_scale, meta.v_scale)
-        if q.shape[0] == num_tokens:
-            out = torch.empty_like(q)
-        else:  # padded batch: padding rows are zeros
-            out = torch.zeros_like(q)
         block_size = kv_cache.shape[2]
+        plan = self._plan if meta is self._step_meta else None
+        if plan is None or plan.block_size != block_size:
+            plan = _make_plan(meta, block_size, q.device)
+            if meta is self._step_meta:
+                self._plan = plan
+        num_tokens = meta.num_tokens
+        if plan.valid_rows is None:
+            k, v = k[:num_tokens], v[:num_tokens]
+        else:
+            k, v = k.index_select(0, plan.valid_rows), v.index_select(0, plan.valid_rows)
+        reference.reshape_and_cache(k, v, kv_cache, plan.slots, meta.k_scale, meta.v_scale)
+
+        out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         num_decodes = meta.num_decodes
         if num_decodes:
-            max_decode_len = max(meta.seq_lens_cpu[:num_decodes])
-            num_blocks = -(-max_decode_len // block_size)
-            out[:num_decodes] = reference.paged_decode_attention(
-                q[:num_decodes], kv_cache, meta.block_tables[:num_decodes, :num_blocks],
-                meta.seq_lens[:num_decodes], scale, meta.sliding_window, meta.k_scale, meta.v_scale,
-            )
-        if meta.num_seqs > num_decodes:
-            starts = meta.query_start_loc_cpu[num_decodes:meta.num_seqs + 1]
-            first = starts[0]
-            out[first:num_tokens] = reference.paged_prefill_attention(
-                q[first:num_tokens], kv_cache, meta.block_tables[num_decodes:meta.num_seqs],
-                meta.query_start_loc[num_decodes:meta.num_seqs + 1] - first,
-                meta.seq_lens[num_decodes:meta.num_seqs], scale, meta.sliding_window,
-                meta.k_scale, meta.v_scale,
-                query_start_loc_cpu=[s - first for s in starts],
-                seq_lens_cpu=meta.seq_lens_cpu[num_decodes:meta.num_seqs],
-            )
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale)
+        for seq in plan.prefills:
+            keys, values = self._gather(kv_cache, seq.block_ids, 1, q.dtype, meta)
+            out[seq.q_start:seq.q_end] = reference.attend_prefill(
+                q[seq.q_start:seq.q_end], keys[0, :seq.seq_len], values[0, :seq.seq_len], seq.mask, scale)
         return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        assert plan.decode_block_ids is not None and plan.decode_mask is not None
+        keys, values = self._gather(kv_cache, plan.decode_block_ids, q.shape[0], q.dtype, meta)
+        return reference.attend_decode(q, keys, values, plan.decode_mask, scale)
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = block_ids.shape[0] * kv_cache[0, 0].numel()
+        key_buf, value_buf = self._buffer_pair(kv_cache.dtype, kv_cache.device, numel)
+        keys = reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=key_buf)
+        values = reference.gather_kv(kv_cache[1], block_ids, num_seqs, out=value_buf)
+        return reference.dequantize(keys, dtype, meta.k_scale), reference.dequantize(values, dtype, meta.v_scale)
+
+    def _buffer_pair(self, dtype: torch.dtype, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat grow-only buffers (fresh allocations page-fault on every call; reuse is much faster)."""
+        key = (dtype, device)
+        pair = self._buffers.get(key)
+        if pair is None or pair[0].numel() < numel:
+            size = max(numel, int(pair[0].numel() * 1.5) if pair is not None else 0)
+            pair = (torch.empty(size, dtype=dtype, device=device), torch.empty(size, dtype=dtype, device=device))
+            self._buffers[key] = pair
+        return pair
+
+
+def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+    num_tokens = meta.num_tokens
+    slots = meta.slot_mapping[:num_tokens].to(torch.int64)
+    valid_rows = None
+    if num_tokens and not bool((slots >= 0).all()):
+        valid_rows = torch.nonzero(slots >= 0).flatten()
+        slots = slots.index_select(0, valid_rows)
+
+    num_decodes = meta.num_decodes
+    decode_block_ids = decode_mask = None
+    if num_decodes:
+        num_blocks = -(-max(meta.seq_lens_cpu[:num_decodes]) // block_size)
+        decode_block_ids = meta.block_tables[:num_decodes, :num_blocks].reshape(-1).to(torch.int64)
+        decode_mask = reference.decode_mask(meta.seq_lens[:num_decodes], num_blocks * block_size,
+                                            meta.sliding_window)
+
+    prefills = []
+    starts = meta.query_start_loc_cpu
+    for i in range(num_decodes, meta.num_seqs):
+        q_start, q_end, seq_len = starts[i], starts[i + 1], meta.seq_lens_cpu[i]
+        if q_end == q_start:
+            continue
+        block_ids = meta.block_tables[i, : -(-seq_len // block_size)].to(torch.int64)
+        mask = reference.prefill_mask(q_end - q_start, seq_len, meta.sliding_window, device)
+        prefills.append(_PrefillSeq(q_start, q_end, seq_len, block_ids, mask))
+    return _StepPlan(block_size, slots, valid_rows, decode_block_ids, decode_mask, prefills)

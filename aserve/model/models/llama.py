@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
     `compute_logits(hidden [N, hidden]) -> [N, vocab]` float32."""
 
     # Checkpoint projection name -> (fused module name, shard index).
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -118,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
+        self.backend = backend
         with torch.device(device):
             self.model = LlamaModel(arch, backend, dtype)
             tie = self.model.embed_tokens if arch.tie_word_embeddings else None
@@ -140,6 +142,9 @@ class LlamaForCausalLM(nn.Module):
         """The model's own sliding window (from its config) overrides `meta.sliding_window`."""
         if meta.sliding_window != self.sliding_window:
             meta = dataclasses.replace(meta, sliding_window=self.sliding_window)
+        begin_forward = getattr(self.backend, "begin_forward", None)
+        if begin_forward is not None:  # optional hook: lets the backend plan once per step
+            begin_forward(meta)
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
-assert set(MODEL_CLASSES) == SUPPORTED_ARCHITECTURES, "registry and model_registry_names disagree"
+if set(MODEL_CLASSES) != SUPPORTED_ARCHITECTURES:  # the torch-free name list must match the classes
+    raise RuntimeError(f"model registry {sorted(MODEL_CLASSES)} != model_registry_names "
+                       f"{sorted(SUPPORTED_ARCHITECTURES)}")
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

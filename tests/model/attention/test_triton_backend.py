@@ -1,7 +1,7 @@
 """TritonAttentionBackend against TorchAttentionBackend on the same metadata (fp32, interpreter on CPU).
 
-Mirrors aserve/model/attention/triton_backend.py; it lives here because it needs this package's
-TRITON_INTERPRET setting.
+Mirrors aserve/model/attention/triton_backend.py; this folder's conftest sets TRITON_INTERPRET when
+there is no GPU and provides the `device` and `gen` fixtures.
 """
 
 from __future__ import annotations
