@@ -437,21 +437,43 @@ class EngineArgs:
 _BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 
-def _resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str) -> str:
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16).
+
+    With it, bf16 matmuls run ~4x faster than fp32; without it (e.g. AVX2-only CPUs) torch emulates
+    bf16 and it runs ~5x *slower* than fp32, so half precision would be the wrong default there.
+    """
+    override = os.environ.get("ASERVE_CPU_BF16")
+    if override is not None:
+        return override.lower() in ("1", "true", "yes")
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str,
+                   cpu_bf16: bool | None = None) -> str:
     """vLLM's `auto`: the checkpoint's dtype, with fp32 checkpoints served in half precision.
 
-    On CPU half precision means bfloat16 (its matmuls are ~4x faster than fp32 here; fp16 is slow on CPU).
+    On CPU, half precision means bfloat16 (fp16 is slow on CPUs) — but only where the CPU has native
+    bf16 units; elsewhere `auto` keeps float32, the fast type there.
     """
     aliases = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
                "float32": "float32"}
     if requested != "auto":
         return aliases[requested]
     ckpt = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}.get(str(checkpoint_dtype or ""), "float32")
-    if ckpt == "float32":
-        return "bfloat16" if device == "cpu" else "float16"
-    if device == "cpu" and ckpt == "float16":
-        return "bfloat16"
-    return ckpt
+    if device != "cpu":
+        return "float16" if ckpt == "float32" else ckpt
+    if cpu_bf16 is None:
+        cpu_bf16 = cpu_has_native_bf16()
+    return "bfloat16" if cpu_bf16 else "float32"
 
 
 def _derived_max_model_len(hf_cfg: dict[str, Any], arch: ArchConfig) -> int:

@@ -108,6 +108,7 @@ def convert_gguf_cached(gguf_path: str, name: str) -> str:
             _run_converter(gguf_path, tmp)
             with open(os.path.join(tmp, _MARKER), "w") as f:
                 json.dump(source, f, indent=2)
+            os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the cache is shared like any download
             if os.path.exists(dst):
                 stale = tempfile.mkdtemp(prefix=f".{name}.stale-", dir=models_dir)
                 os.rename(dst, os.path.join(stale, "old"))

@@ -47,7 +47,7 @@ class KVUtilization:
         return self.tokens / self.capacity if self.capacity else 0.0
 
 
-def run_aserve(args, prompts) -> tuple[float, KVUtilization]:
+def run_aserve(args, prompts) -> tuple[float, KVUtilization, str]:
     from aserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -64,14 +64,14 @@ def run_aserve(args, prompts) -> tuple[float, KVUtilization]:
     elapsed = time.perf_counter() - start
     num = sum(len(o.outputs[0].token_ids) for o in outs)
     assert num == len(prompts) * args.output_len
-    return num / elapsed, kv
+    return num / elapsed, kv, llm.engine.config.model.dtype
 
 
 def run_hf(args, model_path, prompts) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "auto": torch.bfloat16}[args.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.resolved_dtype]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.eval()
     pad = 0
@@ -100,7 +100,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=200)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto: bf16 on CPUs with native bf16, else fp32 (both sides)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
@@ -118,9 +118,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
 
-    ours, kv = run_aserve(args, prompts)
+    ours, kv, args.resolved_dtype = run_aserve(args, prompts)
     print(f"aserve LLM.generate      : {ours:8.1f} output tok/s  ({args.num_prompts} prompts x "
-          f"{args.input_len} in / {args.output_len} out, {args.dtype})")
+          f"{args.input_len} in / {args.output_len} out, {args.resolved_dtype})")
     print(f"KV memory holding tokens : {100 * kv.ratio:.1f}% of the blocks in use (peak {kv.peak_blocks} blocks)")
     if not args.skip_hf:
         hf = run_hf(args, model_path, prompts)

@@ -1,7 +1,7 @@
 """Pure-torch reference ops: the ground truth for the Triton kernels and the CPU attention backend.
 
-Every function here is exact (up to floating point) and batched: no per-token Python, no host
-syncs except where a shape must be known on the host (noted per function).
+Every function here is exact (up to floating point) and batched: no per-token Python. Host syncs
+happen only where noted (the -1 check in `reshape_and_cache`; prefill without host lists).
 
 KV cache layout (per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 keys,
 1 values. Token t of a sequence lives in block `block_table[t // block_size]` at offset
@@ -31,14 +31,16 @@ def reshape_and_cache(
 ) -> None:
     """Write key/value `[T, KVH, D]` into `kv_cache` at `slot_mapping` `[T]` (int64; -1 = skip), in place.
 
-    An fp8 cache stores `(x / scale)` cast to its dtype. Slots must be distinct (apart from -1).
+    An fp8 cache stores `(x / scale)` saturated to the fp8 range. Slots must be distinct (apart
+    from -1). Checking for -1 reads the slots on the host once.
     """
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     if is_fp8(kv_cache.dtype):
-        key = (key.float() / k_scale).to(kv_cache.dtype)
-        value = (value.float() / v_scale).to(kv_cache.dtype)
+        limit = torch.finfo(kv_cache.dtype).max
+        key = (key.float() / k_scale).clamp_(-limit, limit).to(kv_cache.dtype)
+        value = (value.float() / v_scale).clamp_(-limit, limit).to(kv_cache.dtype)
         # index_copy_ has no fp8 kernels everywhere; the bytes are what we store.
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
         key, value = key.view(torch.uint8), value.view(torch.uint8)

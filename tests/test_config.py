@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from aserve.config import ArchConfig, ConfigError, EngineArgs, _resolve_dtype
+from aserve.config import ArchConfig, ConfigError, EngineArgs, _resolve_dtype, cpu_has_native_bf16
 
 
 @pytest.fixture()
@@ -50,13 +50,22 @@ def test_defaults_follow_vllm(model_dir):
     assert cfg.cache.block_size == 16 and cfg.scheduler.max_num_seqs == 256
     assert cfg.model.max_model_len == 512 and cfg.model.max_logprobs == 20
     assert cfg.scheduler.policy == "fcfs" and cfg.scheduler.preemption_mode == "recompute"
-    assert cfg.model.dtype == "bfloat16"  # fp32 checkpoint, auto, on CPU
+    assert cfg.model.dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")  # fp32 checkpoint, on CPU
     assert cfg.runner.attention_backend == "torch" and cfg.device.device == "cpu"
     assert cfg.model.served_model_names == (model_dir,)
 
 
-def test_dtype_auto():
-    assert _resolve_dtype("auto", "float32", "cpu") == "bfloat16"
+def test_dtype_auto(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASERVE_CPU_BF16", raising=False)
+    amx = tmp_path / "amx"
+    amx.write_text("processor : 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor : 0\nflags\t\t: fpu sse avx2 fma\n")
+    assert cpu_has_native_bf16(str(amx)) and not cpu_has_native_bf16(str(avx2))
+    assert _resolve_dtype("auto", "float32", "cpu", cpu_bf16=True) == "bfloat16"
+    assert _resolve_dtype("auto", "bfloat16", "cpu", cpu_bf16=True) == "bfloat16"
+    assert _resolve_dtype("auto", "float32", "cpu", cpu_bf16=False) == "float32"
+    assert _resolve_dtype("auto", "bfloat16", "cpu", cpu_bf16=False) == "float32"
     assert _resolve_dtype("auto", "float32", "cuda") == "float16"
     assert _resolve_dtype("auto", "bfloat16", "cuda") == "bfloat16"
     assert _resolve_dtype("half", "bfloat16", "cuda") == "float16"

@@ -151,6 +151,13 @@ def test_fp8_cache_round_trip_and_attention(fp8, tol):
     torch.testing.assert_close(got_prefill, want, atol=1e-5, rtol=1e-5)
 
 
+def test_fp8_cache_saturates_instead_of_overflowing():
+    cache = torch.zeros(2, 1, 4, 1, 2, dtype=torch.float8_e4m3fn)
+    big = torch.tensor([[[1e6, -1e6]]])
+    reference.reshape_and_cache(big, big, cache, torch.tensor([0]))
+    assert cache[0, 0, 0, 0].float().tolist() == [448.0, -448.0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm(dtype):
     x = torch.randn(5, 32).to(dtype)
