@@ -170,7 +170,11 @@ class AsyncEngine:
                 del self.streams[out.request_id]
 
     async def _execute(self, so: SchedulerOutput, result: list) -> None:
-        result.append(await anyio.to_thread.run_sync(self.engine.execute, so))
+        """Runs the step on a worker thread; an error is stored, not raised, so it is not wrapped in a group."""
+        try:
+            result.append(await anyio.to_thread.run_sync(self.engine.execute, so))
+        except Exception as exc:
+            result.append(exc)
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         """The engine loop. Returns after shutdown(); raises (and fails every stream) if the engine dies."""
@@ -202,6 +206,8 @@ class AsyncEngine:
                         self._deliver(pending, pending_time)
                         pending = None
                     await self._execute(so, result)
+                if isinstance(result[0], Exception):
+                    raise result[0]
                 outs = self.engine.update(so, result[0])
                 pending, pending_time = outs, time.perf_counter() - start
                 if not self.overlap:

@@ -84,7 +84,10 @@ class ProcessExecutor:
         try:
             msg = self._conn.recv_bytes()
         except (EOFError, OSError) as exc:
-            code = self._proc.exitcode if self._proc is not None else None
+            code = None
+            if self._proc is not None:
+                self._proc.join(timeout=2)
+                code = self._proc.exitcode
             self._dead = f"model worker process died (exit code {code})"
             raise ExecutorDeadError(self._dead) from exc
         if msg[:1] == _ERROR:
