@@ -116,10 +116,10 @@ def smol_reference(bundled_model_path, smol_prompts):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["defaults", "chunked_tiny_budget", "preemption", "prefix_caching"])
 def test_smollm2_matches_hf(case, bundled_model_path, smol_prompts, smol_reference):
-    kwargs = dict(CASES[case])
-    if case == "preemption":
-        kwargs["num_gpu_blocks_override"] = 20
-    llm = LLM("", dtype="float32", max_model_len=128, cpu_kvcache_space=0.1, **kwargs)
+    kwargs = dict(CASES[case], max_model_len=128)
+    if case == "preemption":  # 11 usable blocks of 8 tokens for 4 requests of ~60 tokens each
+        kwargs.update(num_gpu_blocks_override=12, enable_prefix_caching=False, max_model_len=80)
+    llm = LLM("", dtype="float32", cpu_kvcache_space=0.1, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     outs = llm.generate([{"prompt_token_ids": p} for p in smol_prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == smol_reference
