@@ -27,18 +27,17 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINE_ARGS = dict(max_model_len=512, num_gpu_blocks_override=96, max_num_seqs=16)
 
 
-def _build_engine():
-    try:
-        from aserve.engine.async_engine import AsyncEngine
-    except ImportError as exc:  # the engine package is not importable in this checkout
-        pytest.skip(f"aserve.engine.async_engine unavailable: {exc}")
-    return AsyncEngine.from_engine_args(EngineArgs(**ENGINE_ARGS))
+def _build_engine(executor: str):
+    from aserve.engine.async_engine import AsyncEngine
+
+    return AsyncEngine.from_engine_args(EngineArgs(**ENGINE_ARGS, distributed_executor_backend=executor))
 
 
-@pytest.fixture(scope="module")
-def real():
+@pytest.fixture(scope="module", params=["uni", "mp"])
+def real(request):
+    """A real server, once with the runner on a thread (uni) and once in a worker process (mp)."""
     with anyio.from_thread.start_blocking_portal("asyncio", backend_options={"use_uvloop": True}) as portal:
-        engine = portal.call(_build_engine)  # built on the loop thread: it creates anyio primitives
+        engine = portal.call(_build_engine, request.param)  # built on the loop thread: it creates anyio primitives
         stop = portal.call(anyio.Event)
         args = ServerArgs(**{**vars(quiet_args()), "host": "127.0.0.1", "port": 0})
         future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
