@@ -360,7 +360,10 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None:
             max_batched = self.max_num_batched_tokens
         else:
-            max_batched = 2048 if chunked else max(max_model_len, 2048)
+            # vLLM derives this default from the context; on CPUs a step of 2048 prompt tokens takes
+            # seconds and stalls every running stream, so the budget is smaller there.
+            default_budget = 512 if device == "cpu" else 2048
+            max_batched = default_budget if chunked else max(max_model_len, default_budget)
         if not chunked:
             _require(max_batched >= max_model_len, "max_num_batched_tokens",
                      f"({max_batched}) is smaller than max_model_len ({max_model_len}); this would reject "

@@ -100,6 +100,7 @@ async def one_request(
     result = RequestResult(ok=False, start=time.perf_counter())
     chunks = 0
     usage_tokens = None
+    finished = False  # some servers (transformers serve) end the stream without data: [DONE]
     try:
         async with client.stream("POST", path, json=_body(args, model, prompt)) as resp:
             if resp.status_code != 200:
@@ -121,6 +122,8 @@ async def one_request(
                     return result
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                if any(c.get("finish_reason") for c in chunk.get("choices") or ()):
+                    finished = True
                 if _content(chunk, args.endpoint):
                     now = time.perf_counter()
                     if result.ttft is None:
@@ -134,7 +137,10 @@ async def one_request(
         result.e2e = time.perf_counter() - result.start
     result.output_tokens = usage_tokens if usage_tokens is not None else chunks
     if not result.ok and not result.error:
-        result.error = "the stream ended without data: [DONE]"
+        if finished:
+            result.ok = True
+        else:
+            result.error = "the stream ended without a finish_reason or data: [DONE]"
     return result
 
 
