@@ -28,6 +28,19 @@ _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
 _TOKENIZER_MODES = ("auto", "slow")
 _GENERATION_CONFIG = ("auto", "vllm")
+# EngineArgs fields limited to a set of values: (field, allowed, how errors name them; None = the tuple).
+_CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
+    ("dtype", _DTYPES, None),
+    ("kv_cache_dtype", _KV_CACHE_DTYPES, None),
+    ("load_format", _LOAD_FORMATS, None),
+    ("block_size", _BLOCK_SIZES, None),
+    ("preemption_mode", _PREEMPTION_MODES, "'recompute' or 'swap'"),
+    ("scheduling_policy", _POLICIES, None),
+    ("device", _DEVICES, None),
+    ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni' or 'mp' (ray is not implemented yet)"),
+    ("attention_backend", _ATTENTION_BACKENDS, "'torch' or 'triton'"),
+    ("tokenizer_mode", _TOKENIZER_MODES, None),
+)
 
 GiB = 1 << 30
 
@@ -273,24 +286,10 @@ class EngineArgs:
 
     # -- validation ---------------------------------------------------------------------------------
     def _validate_choices(self) -> None:
-        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
-                 f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _require(self.load_format in _LOAD_FORMATS, "load_format",
-                 f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
-        _require(self.block_size in _BLOCK_SIZES, "block_size",
-                 f"must be one of {_BLOCK_SIZES}, got {self.block_size!r}")
-        _require(self.preemption_mode in _PREEMPTION_MODES, "preemption_mode",
-                 f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        _require(self.scheduling_policy in _POLICIES, "scheduling_policy",
-                 f"must be one of {_POLICIES}, got {self.scheduling_policy!r}")
-        _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
-        _require(self.distributed_executor_backend in _EXECUTOR_BACKENDS, "distributed_executor_backend",
-                 f"must be 'uni' or 'mp' (ray is not implemented yet), got {self.distributed_executor_backend!r}")
-        _require(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend",
-                 f"must be 'torch' or 'triton', got {self.attention_backend!r}")
-        _require(self.tokenizer_mode in _TOKENIZER_MODES, "tokenizer_mode",
-                 f"must be one of {_TOKENIZER_MODES}, got {self.tokenizer_mode!r}")
+        for name, allowed, described in _CHOICE_FIELDS:
+            value = getattr(self, name)
+            what = described or f"one of {allowed}"
+            _require(value in allowed, name, f"must be {what}, got {value!r}")
         _require(self.generation_config in _GENERATION_CONFIG or os.path.isdir(self.generation_config),
                  "generation_config", "must be 'auto', 'vllm' or a folder holding generation_config.json")
 

@@ -33,10 +33,9 @@ from aserve.server.protocol import (
     ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
-    ErrorResponse,
-    encoder,
 )
-from aserve.server.sse import DONE, Emit, SSEResponse, call_until_disconnect, event
+from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
+from aserve.server.sse import Emit
 from aserve.server.state import ServerState, get_state, logger
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -116,6 +115,7 @@ class _ChatJob:
     include_usage: bool
     continuous_usage: bool
     outputs: AsyncIterator[RequestOutput]
+    num_completion_tokens: int = 0
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -174,10 +174,7 @@ async def create_chat_completion(request: Request) -> Response:
         continuous_usage,
         outputs,
     )
-    if stream:
-        return SSEResponse(lambda emit: _stream(job, emit))
-    response = await call_until_disconnect(request.receive, lambda: _collect(job))
-    return Response(encoder.encode(response), media_type="application/json")
+    return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job))
 
 
 async def _collect(job: _ChatJob) -> ChatCompletionResponse:
@@ -223,33 +220,16 @@ async def _collect(job: _ChatJob) -> ChatCompletionResponse:
             )
         )
     num_completion = sum(len(token_ids[i]) for i in indices)
-    return ChatCompletionResponse(
-        id=job.request_id,
-        created=job.created,
-        model=job.model,
-        system_fingerprint=state.system_fingerprint,
-        choices=choices,
-        usage=usage(job.num_prompt_tokens, num_completion),
+    return reply_object(
+        job, ChatCompletionResponse, choices, usage=usage(job.num_prompt_tokens, num_completion)
     )
 
 
 async def _stream(job: _ChatJob, emit: Emit) -> None:
     state = job.state
-    num_completion = 0
 
     def chunk(choices: list[ChatChunkChoice]) -> bytes:
-        c = ChatCompletionChunk(
-            id=job.request_id,
-            created=job.created,
-            model=job.model,
-            system_fingerprint=state.system_fingerprint,
-            choices=choices,
-        )
-        if job.continuous_usage:
-            c.usage = usage(job.num_prompt_tokens, num_completion)
-        elif job.include_usage:
-            c.usage = None
-        return event(encoder.encode(c))
+        return chunk_event(job, ChatCompletionChunk, choices)
 
     done = False
     try:
@@ -266,7 +246,7 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
         async for out in job.outputs:
             events = []
             for c in out.outputs:
-                num_completion += len(c.token_ids)
+                job.num_completion_tokens += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
                 logprobs = None
@@ -294,22 +274,10 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
                 await emit(b"".join(events))
             if done:
                 break
-        tail = []
-        if job.include_usage:
-            final = ChatCompletionChunk(
-                id=job.request_id,
-                created=job.created,
-                model=job.model,
-                system_fingerprint=state.system_fingerprint,
-                choices=[],
-                usage=usage(job.num_prompt_tokens, num_completion),
-            )
-            tail.append(event(encoder.encode(final)))
-        tail.append(DONE)
-        await emit(b"".join(tail))
+        await emit(end_events(job, ChatCompletionChunk))
     except Exception as exc:
         logger.exception("chat request %s failed while streaming", job.request_id)
-        await emit(event(encoder.encode(ErrorResponse(error=engine_failure(exc).info()))) + DONE)
+        await emit(failure_events(exc))
     finally:
         if not done:
             await state.abort(job.request_id)

@@ -30,10 +30,9 @@ from aserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
-    encoder,
 )
-from aserve.server.sse import DONE, Emit, SSEResponse, call_until_disconnect, event
+from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
+from aserve.server.sse import Emit
 from aserve.server.state import ServerState, get_state, logger
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
@@ -178,10 +177,7 @@ async def create_completion(request: Request) -> Response:
         include_usage,
         continuous_usage,
     )
-    if stream:
-        return SSEResponse(lambda emit: _stream(job, emit))
-    response = await call_until_disconnect(request.receive, lambda: _collect(job))
-    return Response(encoder.encode(response), media_type="application/json")
+    return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job))
 
 
 async def _abort_unfinished(job: _CompletionJob) -> None:
@@ -270,29 +266,11 @@ async def _collect(job: _CompletionJob) -> CompletionResponse:
                     state.decode_token, p.token_ids, prompt_positions, job.prompt_logprobs
                 )
             choices.append(choice)
-    return CompletionResponse(
-        id=job.request_id,
-        created=job.created,
-        model=job.model,
-        system_fingerprint=state.system_fingerprint,
-        choices=choices,
-        usage=usage(job.num_prompt_tokens, num_completion),
-    )
+    return reply_object(job, CompletionResponse, choices, usage=usage(job.num_prompt_tokens, num_completion))
 
 
 def _chunk(job: _CompletionJob, choice: CompletionChoice) -> bytes:
-    c = CompletionResponse(
-        id=job.request_id,
-        created=job.created,
-        model=job.model,
-        system_fingerprint=job.state.system_fingerprint,
-        choices=[choice],
-    )
-    if job.continuous_usage:
-        c.usage = usage(job.num_prompt_tokens, job.num_completion_tokens)
-    elif job.include_usage:
-        c.usage = None
-    return event(encoder.encode(c))
+    return chunk_event(job, CompletionResponse, [choice])
 
 
 def _echo_chunks(job: _CompletionJob, p: _Prompt, prompt_positions: Any) -> list[bytes]:
@@ -368,23 +346,11 @@ async def _stream(job: _CompletionJob, emit: Emit) -> None:
                     tg.start_soon(_stream_prompt, job, p, emit)
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None
-        tail = []
-        if job.include_usage:
-            final = CompletionResponse(
-                id=job.request_id,
-                created=job.created,
-                model=job.model,
-                system_fingerprint=job.state.system_fingerprint,
-                choices=[],
-                usage=usage(job.num_prompt_tokens, job.num_completion_tokens),
-            )
-            tail.append(event(encoder.encode(final)))
-        tail.append(DONE)
-        await emit(b"".join(tail))
+        await emit(end_events(job, CompletionResponse))
     except OSError:
         raise
     except Exception as exc:
         logger.exception("completion request %s failed while streaming", job.request_id)
-        await emit(event(encoder.encode(ErrorResponse(error=engine_failure(exc).info()))) + DONE)
+        await emit(failure_events(exc))
     finally:
         await _abort_unfinished(job)

@@ -24,73 +24,17 @@ logger = logging.getLogger("aserve.server.stats")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _TTFT_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-]
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
 _ITL_BUCKETS = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
 _LATENCY_BUCKETS = [
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-]
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
 _N_BUCKETS = [1, 2, 5, 10, 20]
 
 
@@ -197,12 +141,17 @@ class PrometheusStatLogger:
         for reason in ("stop", "length"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
 
-        self._last_queries = 0
-        self._last_hits = 0
-        self._last_preemptions = 0
+        self._last_totals: dict[Counter, int] = {}  # what the cumulative counters were moved up to
 
     def _label(self, metric: Any, **extra: str) -> Any:
         return metric.labels(model_name=self.model_name, **extra)
+
+    def _count_up_to(self, counter: Counter, total: int) -> None:
+        """Move `counter` by what a cumulative scheduler count gained since the last call (never back)."""
+        last = self._last_totals.get(counter, 0)
+        if total > last:
+            self._label(counter).inc(total - last)
+            self._last_totals[counter] = total
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         label = self._label
@@ -212,16 +161,9 @@ class PrometheusStatLogger:
         label(self.num_requests_swapped).set(s.num_swapped_reqs)
         label(self.gpu_cache_usage).set(s.kv_cache_usage)
         label(self.kv_cache_usage).set(s.kv_cache_usage)
-        # The scheduler reports cumulative counts; a counter moves by the difference (never backwards).
-        if s.prefix_cache_queries > self._last_queries:
-            label(self.prefix_cache_queries).inc(s.prefix_cache_queries - self._last_queries)
-            self._last_queries = s.prefix_cache_queries
-        if s.prefix_cache_hits > self._last_hits:
-            label(self.prefix_cache_hits).inc(s.prefix_cache_hits - self._last_hits)
-            self._last_hits = s.prefix_cache_hits
-        if s.num_preemptions > self._last_preemptions:
-            label(self.num_preemptions).inc(s.num_preemptions - self._last_preemptions)
-            self._last_preemptions = s.num_preemptions
+        self._count_up_to(self.prefix_cache_queries, s.prefix_cache_queries)
+        self._count_up_to(self.prefix_cache_hits, s.prefix_cache_hits)
+        self._count_up_to(self.num_preemptions, s.num_preemptions)
 
         it = iteration_stats
         if it.num_prompt_tokens:
