@@ -112,20 +112,20 @@ def _select_files(folder: str, patterns: list[str], index_name: str) -> list[str
 def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files."""
     kind, files = weight_files(model_path, load_format)
-    progress = tqdm(files, desc="Loading weights", unit="file", disable=len(files) < 2)
-    for path in progress:
-        if kind == "safetensors":
-            from safetensors import safe_open
+    if kind == "safetensors":
+        from safetensors import safe_open
 
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, f.get_tensor(name)
-        else:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            if not isinstance(state, dict):
-                raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-            yield from state.items()
-            del state
+        handles = [safe_open(path, framework="pt", device="cpu") for path in files]
+        names = [(h, name) for h in handles for name in h.keys()]  # noqa: SIM118 (not a mapping)
+        for h, name in tqdm(names, desc="Loading weights", unit="tensor", mininterval=0.5):
+            yield name, h.get_tensor(name)
+        return
+    for path in tqdm(files, desc="Loading weights", unit="file"):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+        yield from state.items()
+        del state
