@@ -76,8 +76,11 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs | None]
     # req_id -> one entry per prompt position computed this step (position 0 has no logprob, omitted).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-    # Set when the step failed; the engine fails the step's requests with this message.
-    error: str | None = None
+    # req_id -> why the runner failed that request alone (its logits processor raised, its sampling
+    # state could not be built). The runner has dropped the request's state; the scheduler finishes
+    # it with finish_reason "error". A failure that cannot be pinned on one request is not reported
+    # here: `execute` raises, and the executor treats that as fatal.
+    failed_requests: dict[str, str] = {}
 
 
 class RunnerInfo(msgspec.Struct):
@@ -98,6 +101,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = []  # one per new token when logprobs were requested
     new_prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with finish_reason "error": what failed this request (and only it)
     stop_reason: int | str | None = None  # the stop token id (not EOS) that ended it
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled

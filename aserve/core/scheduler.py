@@ -395,12 +395,12 @@ class Scheduler:
     # -- update ----------------------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
         """Applies one step's results: one EngineCoreOutput per request that sampled a token, got
-        prompt logprobs or finished. When the step failed (`runner_output.error`), every request of
-        the step still unfinished finishes with FINISHED_ERROR (finish_reason "error")."""
-        if runner_output.error is not None:
-            return self._fail_step(scheduler_output)
+        prompt logprobs, finished, or failed alone in the runner (`runner_output.failed_requests`:
+        finished with FINISHED_ERROR, finish_reason "error", blocks freed now)."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
+        if runner_output.failed_requests:
+            self._fail_requests(runner_output.failed_requests, outputs)
         prompt_logprobs = runner_output.prompt_logprobs
         logprobs = runner_output.logprobs
         any_finished = False
@@ -450,14 +450,14 @@ class Scheduler:
             return _LENGTH_CAPPED
         return None
 
-    def _fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
-        outputs = []
-        failed = [req_id for req_id in scheduler_output.scheduled_req_ids if req_id in self.requests]
-        for req_id in failed:
-            outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="error",
-                                            num_cached_tokens=self.requests[req_id].num_cached_tokens))
-        self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        return outputs
+    def _fail_requests(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:
+        for req_id, message in failed.items():
+            req = self.requests.get(req_id)
+            if req is None:
+                continue  # aborted while the step ran
+            outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="error", error=message,
+                                            num_cached_tokens=req.num_cached_tokens))
+            self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
 
     # -- stats -----------------------------------------------------------------------------------
     def snapshot(self) -> SchedulerSnapshot:

@@ -234,12 +234,17 @@ def test_duplicate_request_id_is_rejected():
         s.add_request(make_request("a", 4))
 
 
-def test_a_failed_step_fails_its_requests_and_forgets_their_blocks():
+def test_a_request_failed_by_the_runner_fails_alone_and_its_blocks_are_forgotten():
     s = make_scheduler(enable_prefix_caching=True)
     s.add_request(make_request("a", 9))
+    s.add_request(make_request("c", [40, 41, 42, 43, 44]))
     so = s.schedule()
-    outs = s.update(so, RunnerOutput([], [], [], error="boom"))
-    assert [(o.req_id, o.finish_reason) for o in outs] == [("a", "error")]
+    outs = s.update(so, RunnerOutput(["c"], [7], [None], failed_requests={"a": "logits processor raised"}))
+    assert [(o.req_id, o.finish_reason, o.error) for o in outs] == [
+        ("a", "error", "logits processor raised"), ("c", None, None)]
+    assert s.get_request("a") is None and s.get_request("c").output_token_ids == [7]
+    assert s.schedule().finished_req_ids == ["a"]
+    s.abort_requests(["c"])
     assert not s.has_unfinished_requests() and s.kv_cache_manager.num_used_blocks == 0
     s.add_request(make_request("b", 9))
     s.schedule()
