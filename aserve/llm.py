@@ -22,10 +22,19 @@ class LLM:
     """
 
     def __init__(self, model: str = "", **engine_args: Any):
-        runner_kwargs = engine_args.pop("_runner_kwargs", {})
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.engine = LLMEngine.from_engine_args(args, **runner_kwargs)
-        self.llm_engine = self.engine  # vLLM's attribute name
+        self._attach(LLMEngine.from_engine_args(args))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an engine built elsewhere (e.g. with a custom executor factory)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.llm_engine = engine  # vLLM's attribute name
 
     def get_tokenizer(self):
         return self.engine.tokenizer

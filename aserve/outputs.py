@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -26,7 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -35,7 +35,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock timestamps (time.time()) of one request's life."""
+    """Wall-clock timestamps (time.time()) of one request's life; `time_in_queue` is first_scheduled_time
+    minus arrival_time; `num_preemptions` counts how often the scheduler preempted it."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -45,6 +46,18 @@ class RequestMetrics:
     time_in_queue: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed alone (the engine kept serving everyone else).
+
+    `bad_input` is True when the request's own input was at fault (the server answers 400), False
+    for an internal failure confined to this request (500 for this request only).
+    """
+
+    message: str
+    bad_input: bool
 
 
 @dataclass
@@ -57,7 +70,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    error: RequestError | None = None  # set when the request failed (its outputs end with "error")
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

@@ -95,3 +95,59 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ign
             out = model.generate(ids, **kwargs)
             outs.append(out[0, len(p):].tolist())
     return outs
+
+
+class StatTotals:
+    """A StatLogger that adds up the scheduler's per-step counter deltas and keeps the latest gauges."""
+
+    def __init__(self) -> None:
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.latest = None
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.prefix_cache_queries += scheduler_stats.prefix_cache_queries
+        self.prefix_cache_hits += scheduler_stats.prefix_cache_hits
+        self.num_preemptions += scheduler_stats.num_preemptions
+        self.num_steps += 1
+        self.latest = scheduler_stats
+
+
+@pytest.fixture
+def stat_totals():
+    """`stat_totals(llm)` registers a StatTotals on the LLM's engine and returns it."""
+
+    def attach(llm) -> StatTotals:
+        totals = StatTotals()
+        llm.engine.stat_loggers.append(totals)
+        return totals
+
+    return attach
+
+
+@pytest.fixture
+def llm_with_runner():
+    """`llm_with_runner(model, runner_factory=None, **engine_args)` -> (LLM, its in-process runner).
+
+    Builds the engine through the public executor factory, so tests can see (or replace) the runner
+    without reaching into the engine."""
+    from aserve import LLM
+    from aserve.config import EngineArgs
+    from aserve.engine.llm_engine import LLMEngine
+    from aserve.executor.thread import ThreadExecutor
+
+    def build(model: str, runner_factory=None, **engine_args):
+        executors = []
+
+        def factory(config):
+            executor = ThreadExecutor(config) if runner_factory is None else ThreadExecutor(config, runner_factory)
+            executors.append(executor)
+            return executor
+
+        engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args),
+                                            executor_factory=factory)
+        return LLM.from_engine(engine), executors[0].runner
+
+    return build

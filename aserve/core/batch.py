@@ -14,11 +14,14 @@ Protocol, per step:
     tokens is computed (computed + scheduled == len(prompt) + len(outputs)).
   * `finished_req_ids`: finished, aborted or preempted since the last step: the runner drops them
     before doing anything else.
-  * `blocks_to_copy` / `blocks_to_swap_out` / `blocks_to_swap_in`: (src, dst) block ids the runner
-    applies before the forward pass (swap_out: device -> cpu, swap_in: cpu -> device).
+  * `blocks_to_swap_out` / `blocks_to_swap_in`: (src, dst) block ids the runner applies before the
+    forward pass (swap_out: device -> cpu, swap_in: cpu -> device). Only full blocks are ever shared,
+    so no copy-on-write is needed.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import msgspec
 
@@ -47,7 +50,6 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     scheduled_req_ids: list[str]
     num_scheduled_tokens: list[int]
     finished_req_ids: list[str]
-    blocks_to_copy: list[tuple[int, int]] = []
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_swap_in: list[tuple[int, int]] = []
 
@@ -94,6 +96,18 @@ class RunnerInfo(msgspec.Struct):
     attention_backend: str
 
 
+class EngineCoreEventType(IntEnum):
+    SCHEDULED = 1  # admitted from the waiting queue (first time, or again after a preemption)
+    PREEMPTED = 2
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True):
+    """Something the scheduler did to a request, with its wall-clock time (time.time())."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True):
     """What `Scheduler.update` reports per request per step (to the engine's output processor)."""
 
@@ -105,3 +119,4 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     error: str | None = None  # with finish_reason "error": what failed this request (and only it)
     stop_reason: int | str | None = None  # the stop token id (not EOS) that ended it
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    events: list[EngineCoreEvent] = []  # scheduling events since the request's previous output

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterable
 
+from aserve.core.batch import EngineCoreEvent, EngineCoreEventType
 from aserve.sampling_params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "eos_token_ids",
+        "events",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -102,6 +104,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        self.events: list[EngineCoreEvent] = []  # not yet reported in an EngineCoreOutput
         self._all_token_ids = list(prompt_token_ids)
 
     @property
@@ -127,6 +130,13 @@ class Request:
 
     def get_finish_reason(self) -> str | None:
         return RequestStatus.finish_reason(self.status)
+
+    def record_event(self, event_type: EngineCoreEventType) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.time()))
+
+    def take_events(self) -> list[EngineCoreEvent]:
+        events, self.events = self.events, []
+        return events
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         if isinstance(token_ids, int):

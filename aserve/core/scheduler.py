@@ -18,11 +18,11 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
 from aserve.core.batch import (
     CachedRequestData,
+    EngineCoreEventType,
     EngineCoreOutput,
     NewRequestData,
     RunnerOutput,
@@ -30,27 +30,12 @@ from aserve.core.batch import (
 )
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.request import Request, RequestStatus
+from aserve.core.stats import SchedulerStats
 
 _WAITING_LIKE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-@dataclass
-class SchedulerSnapshot:
-    """The scheduler's gauges and cumulative counters (same fields as engine.stats.SchedulerStats)."""
-
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_swapped_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_used_blocks: int = 0
-    num_total_blocks: int = 0
-    num_tokens_in_used_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
 
 
 class _FCFSQueue:
@@ -150,7 +135,8 @@ class Scheduler:
         self.waiting: _FCFSQueue | _PriorityQueue = _PriorityQueue() if self.priority_policy else _FCFSQueue()
         self.swapped: _FCFSQueue | _PriorityQueue = _PriorityQueue() if self.priority_policy else _FCFSQueue()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # cumulative
+        self._reported = (0, 0, 0)  # prefix-cache queries, hits, preemptions at the last make_stats()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
         self._runner_req_ids: set[str] = set()  # requests whose state the runner holds
 
@@ -168,13 +154,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def has_finished_requests(self) -> bool:
-        """Whether finished ids still wait to be reported to the runner (run one more step for them)."""
-        return bool(self._finished_req_ids)
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         """Finishes the requests as FINISHED_ABORTED; unknown or finished ids are ignored."""
@@ -299,7 +278,6 @@ class Scheduler:
             scheduled_req_ids=scheduled_ids,
             num_scheduled_tokens=scheduled_nums,
             finished_req_ids=finished,
-            blocks_to_copy=[],
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
         )
@@ -332,6 +310,7 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
+            req.record_event(EngineCoreEventType.SCHEDULED)
             running.append(req)
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = blocks
@@ -372,6 +351,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             self.waiting.add_front(req)
         req.num_preemptions += 1
+        req.record_event(EngineCoreEventType.PREEMPTED)
         self.num_preemptions += 1
         self._runner_req_ids.discard(req_id)
         self._finished_req_ids.append(req_id)
@@ -420,6 +400,7 @@ class Scheduler:
                 finish_reason=RequestStatus.finish_reason(status) if status is not None else None,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=req.num_cached_tokens,
+                events=req.take_events() if req.events else [],
             ))
             if status is not None:
                 any_finished = True
@@ -460,13 +441,16 @@ class Scheduler:
             self.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
 
     # -- stats -----------------------------------------------------------------------------------
-    def snapshot(self) -> SchedulerSnapshot:
+    def make_stats(self, consume: bool = True) -> SchedulerStats:
+        """Gauges now; counters since the previous consuming call (`consume=False` peeks: a live view
+        for health checks and tests that leaves the counters to the per-step stats)."""
         kv = self.kv_cache_manager
         bs = self.block_size
         num_tokens = 0
         for req in self.running:
             num_tokens += min(req.num_computed_tokens, len(kv.get_block_ids(req.request_id)) * bs)
-        return SchedulerSnapshot(
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             num_swapped_reqs=len(self.swapped),
@@ -474,10 +458,14 @@ class Scheduler:
             num_used_blocks=kv.num_used_blocks,
             num_total_blocks=kv.num_total_blocks,
             num_tokens_in_used_blocks=num_tokens,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=queries - self._reported[0],
+            prefix_cache_hits=hits - self._reported[1],
+            num_preemptions=self.num_preemptions - self._reported[2],
         )
+        if consume:
+            self._reported = (queries, hits, self.num_preemptions)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (nothing done) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()

@@ -4,6 +4,11 @@ Each step: schedule -> the executor runs the forward pass on a worker thread (of
 meanwhile the previous step's outputs are processed (detokenize, stop strings, logprobs, streams)
 -> update. Per-request streams are bounded: if a consumer lags, deltas merge into one pending
 output instead of queueing without limit, and the engine never blocks on a slow client.
+
+Errors: a failure one request owns ends that request's stream with an output whose `error` is set
+(finish_reason "error"); everyone else keeps going. A failure of the executor (the worker died,
+the device failed) is fatal: every open stream raises EngineDeadError, `is_healthy()` turns False
+and `run()` raises.
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ import time
 import anyio
 
 from aserve.config import EngineArgs
-from aserve.core.batch import EngineCoreOutput, SchedulerOutput
+from aserve.core.batch import SchedulerOutput
+from aserve.core.stats import SchedulerStats
+from aserve.engine.builder import ExecutorFactory
+from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.llm_engine import LLMEngine
-from aserve.engine.stats import SchedulerStats, StatLogger
+from aserve.engine.stats import StatLogger
+from aserve.executor.base import make_executor
 from aserve.outputs import CompletionOutput, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,9 +52,9 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
     into.finished = new.finished
     into.metrics = new.metrics
+    into.error = new.error
     if new.prompt_logprobs is not None:
         into.prompt_logprobs = new.prompt_logprobs
-    into.extra.update(new.extra)
 
 
 class RequestStream:
@@ -103,19 +112,14 @@ class AsyncEngine:
         self._wakeup = anyio.Event()
         self._stopping = False
         self.dead_error: BaseException | None = None
-        self._sched_stats = SchedulerStats()
         self.overlap = not engine.config.runner.disable_async_output_proc
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
-                         **runner_kwargs) -> AsyncEngine:
-        return cls(LLMEngine.from_engine_args(args, stat_loggers, **runner_kwargs))
+                         executor_factory: ExecutorFactory = make_executor) -> AsyncEngine:
+        return cls(LLMEngine.from_engine_args(args, stat_loggers, executor_factory))
 
     # -- health -----------------------------------------------------------------------------------
-    @property
-    def errored(self) -> bool:
-        return self.dead_error is not None
-
     def is_healthy(self) -> bool:
         return self.dead_error is None
 
@@ -127,7 +131,12 @@ class AsyncEngine:
         self.engine.stat_loggers.append(stat_logger)
 
     def get_scheduler_stats(self) -> SchedulerStats:
-        return self.engine.core.scheduler_stats()
+        """A live view of the scheduler (gauges now); does not consume the per-step counters."""
+        return self.engine.core.current_stats()
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's POST /reset_prefix_cache: False (nothing done) while requests hold KV blocks."""
+        return self.engine.core.reset_prefix_cache()
 
     @property
     def generation_defaults(self) -> dict:
@@ -159,7 +168,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _deliver(self, outputs: list[EngineCoreOutput], step_time: float) -> None:
+    def _deliver(self, outputs: EngineCoreOutputs, step_time: float) -> None:
         processed = self.engine.process(outputs, step_time)
         for out in processed.request_outputs:
             stream = self.streams.get(out.request_id)
@@ -172,14 +181,15 @@ class AsyncEngine:
     async def _execute(self, so: SchedulerOutput, result: list) -> None:
         """Runs the step on a worker thread; an error is stored, not raised, so it is not wrapped in a group."""
         try:
-            result.append(await anyio.to_thread.run_sync(self.engine.execute, so))
+            result.append(await anyio.to_thread.run_sync(self.engine.core.execute_model, so))
         except Exception as exc:
             result.append(exc)
 
     async def run(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
         """The engine loop. Returns after shutdown(); raises (and fails every stream) if the engine dies."""
         task_status.started()
-        pending: list[EngineCoreOutput] | None = None
+        pending: EngineCoreOutputs | None = None
+        core = self.engine.core
         pending_time = 0.0
         try:
             while not self._stopping or self.engine.has_unfinished_requests():
@@ -194,7 +204,7 @@ class AsyncEngine:
                     self._wakeup = anyio.Event()
                     continue
                 start = time.perf_counter()
-                so = self.engine.schedule()
+                so = core.schedule()
                 result: list = []
                 if self.overlap and pending is not None:
                     async with anyio.create_task_group() as tg:
@@ -208,7 +218,7 @@ class AsyncEngine:
                     await self._execute(so, result)
                 if isinstance(result[0], Exception):
                     raise result[0]
-                outs = self.engine.update(so, result[0])
+                outs = core.update(so, result[0])
                 pending, pending_time = outs, time.perf_counter() - start
                 if not self.overlap:
                     self._deliver(pending, pending_time)

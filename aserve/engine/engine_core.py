@@ -1,41 +1,51 @@
-"""EngineCore: the scheduler plus an executor, and the pieces both engines (offline, async) share.
+"""EngineCore: the one boundary between the engine front (intake, output processing) and the work
+below it. It owns the scheduler and the executor; nothing else touches either.
 
-`build_engine(args)` resolves the model source, validates the configuration once, loads the
-tokenizer and starts the executor (which loads the model and sizes the KV cache).
+    step() = schedule() -> execute_model() -> update()
+
+The offline engine calls `step()`. The async engine calls the three pieces itself so that
+`execute_model` runs on a worker thread while the event loop processes the previous step's outputs;
+`execute_model` touches only the executor, never the scheduler, so that overlap is safe. Scheduling
+facts reach the front as `EngineCoreOutput.events` and `EngineCoreOutputs.scheduler_stats`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from aserve.config import AserveConfig, ConfigError, EngineArgs, KVCacheInfo
+from aserve.config import AserveConfig, KVCacheInfo
 from aserve.core.batch import EngineCoreOutput, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
-from aserve.engine.stats import SchedulerStats
-from aserve.executor.base import Executor, cuda_available, make_executor
+from aserve.core.stats import SchedulerStats
+from aserve.executor.base import Executor
 
-logger = logging.getLogger(__name__)
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's results: per-request outputs and the scheduler's stats after the step."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
 
 
 class EngineCore:
-    """Owns the scheduler and the executor; `step()` = schedule -> execute -> update."""
+    """Owns the scheduler and the (started) executor. Not thread-safe: one caller at a time, except
+    that `execute_model` may run on another thread while the caller does anything but schedule/update."""
 
     def __init__(self, config: AserveConfig, executor: Executor, info: RunnerInfo):
         self.config = config
-        self.executor = executor
-        self.info = info
+        self._executor = executor
+        self.runner_info = info
         kv = KVCacheInfo(num_blocks=info.num_blocks, num_cpu_blocks=info.num_cpu_blocks, block_size=info.block_size)
         self.scheduler = Scheduler(config.scheduler, config.cache, kv)
 
+    # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
     def abort_requests(self, req_ids: list[str]) -> None:
+        """Finishes the requests (finish_reason "abort") and frees their KV blocks now."""
         self.scheduler.abort_requests(req_ids)
 
     def finish_stopped(self, req_ids: list[str]) -> None:
@@ -45,101 +55,30 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False while any request holds blocks (nothing done)."""
+        return self.scheduler.reset_prefix_cache()
+
+    def current_stats(self) -> SchedulerStats:
+        """A live view (gauges now) that does not consume the per-step counters."""
+        return self.scheduler.make_stats(consume=False)
+
+    # -- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def update(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
-        return self.scheduler.update(so, ro)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Runs the step on the executor (blocking). Raises ExecutorDeadError when the runner is gone
+        or failed in a way no single request owns: that is fatal for the engine."""
+        return self._executor.execute(scheduler_output)
 
-    def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-        so = self.schedule()
-        ro = self.executor.execute(so)
-        return so, self.update(so, ro)
+    def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> EngineCoreOutputs:
+        outputs = self.scheduler.update(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
-    def scheduler_stats(self) -> SchedulerStats:
-        s = self.scheduler.snapshot()
-        return SchedulerStats(
-            num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
-            num_swapped_reqs=s.num_swapped_reqs, kv_cache_usage=s.kv_cache_usage,
-            num_used_blocks=s.num_used_blocks, num_total_blocks=s.num_total_blocks,
-            num_tokens_in_used_blocks=s.num_tokens_in_used_blocks,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions)
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.schedule()
+        return self.update(scheduler_output, self.execute_model(scheduler_output))
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
-
-
-@dataclass
-class EngineParts:
-    config: AserveConfig
-    tokenizer: object
-    eos_token_ids: tuple[int, ...]
-    core: EngineCore
-    generation_defaults: dict
-
-
-def load_tokenizer(config: AserveConfig):
-    if config.model.skip_tokenizer_init:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        config.model.tokenizer, revision=config.model.tokenizer_revision,
-        trust_remote_code=config.model.trust_remote_code)
-
-
-def read_generation_defaults(config: AserveConfig) -> dict:
-    """vLLM's --generation-config: 'auto' reads the model's generation_config.json sampling defaults."""
-    gc = config.model.generation_config
-    if gc == "vllm":
-        return {}
-    folder = Path(config.model.model_path if gc == "auto" else gc)
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-    return {ours: data[theirs] for theirs, ours in keys.items() if theirs in data}
-
-
-def eos_ids_for(config: AserveConfig, tokenizer) -> tuple[int, ...]:
-    ids = list(config.model.arch.eos_token_ids)
-    gen = Path(config.model.model_path) / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
-def build_engine(args: EngineArgs, **runner_kwargs) -> EngineParts:
-    """Resolve, validate, load. Raises ConfigError / ModelSourceError with a message naming the argument."""
-    from aserve.model_source import resolve_model
-
-    start = time.perf_counter()
-    model_path = resolve_model(args.model, args.revision, args.download_dir, args.load_format)
-    tokenizer_path = args.tokenizer
-    if tokenizer_path is not None and not Path(tokenizer_path).exists():
-        tokenizer_path = resolve_model(tokenizer_path, args.tokenizer_revision, args.download_dir, "auto")
-    config = args.create_config(model_path=model_path, tokenizer_path=tokenizer_path,
-                                cuda_available=args.device != "cpu" and cuda_available())
-    tokenizer = load_tokenizer(config)
-    executor = make_executor(config, **runner_kwargs)
-    info = executor.start()
-    tokens = (info.num_blocks - 1) * info.block_size  # block 0 is the reserved null block
-    if tokens < config.model.max_model_len:
-        executor.shutdown()
-        raise ConfigError(
-            f"--max-model-len: {config.model.max_model_len} tokens do not fit in the KV cache ({tokens} tokens in "
-            f"{info.num_blocks - 1} blocks); lower --max-model-len or give the cache more room "
-            "(--cpu-kvcache-space, --gpu-memory-utilization, --num-gpu-blocks-override)")
-    core = EngineCore(config, executor, info)
-    logger.info("Engine ready in %.1fs: %s on %s (%s attention, %s executor); %d KV blocks x %d tokens = %d tokens "
-                "(%.1fx max_model_len)", time.perf_counter() - start, config.model.served_model_name,
-                info.device, info.attention_backend, config.parallel.distributed_executor_backend,
-                info.num_blocks - 1, info.block_size, tokens, tokens / config.model.max_model_len)
-    return EngineParts(config=config, tokenizer=tokenizer, eos_token_ids=eos_ids_for(config, tokenizer),
-                       core=core, generation_defaults=read_generation_defaults(config))
+        self._executor.shutdown()

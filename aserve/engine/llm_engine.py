@@ -1,7 +1,8 @@
 """LLMEngine: intake -> EngineCore -> output processing, as plain synchronous steps.
 
-The offline `LLM` calls `step()`; the async engine drives the same pieces (`schedule`, `execute`,
-`update`, `process`) so that output processing of one step overlaps the next step's forward pass.
+The offline `LLM` calls `step()`. The async engine drives the same pieces (`core.schedule`,
+`core.execute_model`, `core.update`, `process`) so that output processing of one step overlaps the
+next step's forward pass.
 """
 
 from __future__ import annotations
@@ -10,21 +11,22 @@ import itertools
 import time
 
 from aserve.config import EngineArgs
-from aserve.core.batch import EngineCoreOutput, RunnerOutput, SchedulerOutput
-from aserve.engine.engine_core import EngineParts, build_engine
+from aserve.engine.builder import EngineParts, ExecutorFactory, build_engine
+from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.input_processor import InputProcessor
 from aserve.engine.output_processor import OutputProcessor, ProcessedOutputs
-from aserve.engine.stats import IterationStats, StatLogger
+from aserve.engine.stats import StatLogger
+from aserve.executor.base import make_executor
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from aserve.sampling_params import SamplingParams, SamplingParamsError
 
 
 class LLMEngine:
     def __init__(self, parts: EngineParts, stat_loggers: list[StatLogger] | None = None):
-        self.parts = parts
         self.config = parts.config
         self.model_config = parts.config.model
         self.tokenizer = parts.tokenizer
+        self.generation_defaults = parts.generation_defaults
         self.core = parts.core
         self.inputs = InputProcessor(parts.config, parts.tokenizer, parts.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer)
@@ -33,12 +35,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
-                         **runner_kwargs) -> LLMEngine:
-        return cls(build_engine(args, **runner_kwargs), stat_loggers)
-
-    @property
-    def generation_defaults(self) -> dict:
-        return self.parts.generation_defaults
+                         executor_factory: ExecutorFactory = make_executor) -> LLMEngine:
+        return cls(build_engine(args, executor_factory), stat_loggers)
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.generation_defaults)
@@ -73,47 +71,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    # -- the step, in pieces ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        so = self.core.schedule()
-        if so.new_requests:
-            now = time.time()
-            for new in so.new_requests:
-                owner = self.outputs.sample_owner.get(new.req_id)
-                if owner is not None and owner[0].metrics.first_scheduled_time is None:
-                    owner[0].metrics.first_scheduled_time = now
-        return so
-
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self.core.executor.execute(so)
-
-    def update(self, so: SchedulerOutput, ro: RunnerOutput) -> list[EngineCoreOutput]:
-        return self.core.update(so, ro)
-
-    def process(self, outputs: list[EngineCoreOutput], step_time: float = 0.0) -> ProcessedOutputs:
-        processed = self.outputs.process_outputs(outputs)
+    # -- output processing ------------------------------------------------------------------------
+    def process(self, core_outputs: EngineCoreOutputs, step_time: float = 0.0) -> ProcessedOutputs:
+        """The one loop over a step's outputs; samples that hit a stop string or failed are finished in
+        the scheduler now (their blocks freed before the next step)."""
+        processed = self.outputs.process_outputs(core_outputs.outputs)
         if processed.reqs_to_finish:
             self.core.finish_stopped(processed.reqs_to_finish)
+        if processed.reqs_to_abort:
+            self.core.abort_requests(processed.reqs_to_abort)
         processed.iteration_stats.step_time = step_time
-        self.record_stats(processed.iteration_stats)
-        return processed
-
-    def record_stats(self, iteration: IterationStats) -> None:
-        if not self.stat_loggers:
-            return
-        sched = self.core.scheduler_stats()
         for logger in self.stat_loggers:
-            logger.record(sched, iteration)
+            logger.record(core_outputs.scheduler_stats, processed.iteration_stats)
+        return processed
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        so = self.schedule()
-        ro = self.execute(so)
-        outs = self.update(so, ro)
-        return self.process(outs, time.perf_counter() - start).request_outputs
+        core_outputs = self.core.step()
+        return self.process(core_outputs, time.perf_counter() - start).request_outputs
 
     def shutdown(self) -> None:
         self.core.shutdown()
-
-
-__all__ = ["LLMEngine", "RequestOutputKind"]

@@ -4,6 +4,10 @@ A user request with n (or best_of) samples is one `RequestState` holding one `Sa
 sample; each sample is its own scheduler request (`child_request_id`). Stop strings are found here
 (they need text); the matching samples are returned in `reqs_to_finish` so the engine tells the
 scheduler, which frees their blocks before the next step.
+
+A failure that belongs to one request (the runner reported it, or detokenizing its tokens raised)
+fails that whole request (every sample ends with finish_reason "error", `RequestOutput.error` says
+why) and nothing else; its samples still scheduled are returned in `reqs_to_abort`.
 """
 
 from __future__ import annotations
@@ -11,11 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from aserve.core.batch import EngineCoreOutput, TokenLogprobs
+import logging
+
+from aserve.core.batch import EngineCoreEventType, EngineCoreOutput, TokenLogprobs
 from aserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, decode_token_texts
 from aserve.engine.stats import FinishedRequestStats, IterationStats
-from aserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from aserve.outputs import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def child_request_id(request_id: str, index: int, num_samples: int) -> str:
@@ -52,6 +60,7 @@ class RequestState:
     stop_hold_back: int = 0
     last_token_time: float | None = None
     num_finished: int = 0
+    error: RequestError | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,6 +71,7 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     reqs_to_finish: list[str]  # sample request ids that matched a stop string
+    reqs_to_abort: list[str]  # sample request ids of requests that failed, still known to the scheduler
     iteration_stats: IterationStats
 
 
@@ -116,19 +126,7 @@ class OutputProcessor:
                 s.finish_reason = "abort"
                 s.changed = True
         state.num_finished = len(state.samples)
-        return self._make_output(state, force_all=False)
-
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        outs = []
-        for request_id in list(self.requests):
-            out = self.abort_request(request_id)
-            if out is not None:
-                for c in out.outputs:
-                    if c.finish_reason == "abort":
-                        c.finish_reason = "error"
-                out.extra["error"] = message
-                outs.append(out)
-        return outs
+        return self._make_output(state)
 
     # -- the per-step loop ------------------------------------------------------------------------
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> ProcessedOutputs:
@@ -136,6 +134,7 @@ class OutputProcessor:
         stats = IterationStats()
         touched: dict[str, RequestState] = {}
         to_finish: list[str] = []
+        to_abort: list[str] = []
         for out in outputs:
             owner = self.sample_owner.get(out.req_id)
             if owner is None:
@@ -143,36 +142,77 @@ class OutputProcessor:
             state, sample = owner
             if sample.finish_reason is not None:
                 continue  # stopped by a stop string last step; this token was computed speculatively
-            if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
-                state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
-            if out.new_token_ids:
-                self._record_token_timing(state, stats, now, len(out.new_token_ids), out.num_cached_tokens)
-                self._append_tokens(state, sample, out)
-                if sample.finish_reason is None and state.params.stop and sample.detokenizer is not None:
-                    if self._check_stop_strings(state, sample):
+            if out.events:
+                self._record_events(state, out)
+            if out.finish_reason == "error":
+                self._fail(state, RequestError(out.error or "the request failed", bad_input=True), to_abort)
+            else:
+                try:
+                    if self._process_one(state, sample, out, stats, now):
                         to_finish.append(sample.req_id)
-            if sample.finish_reason is None and out.finish_reason is not None:
-                sample.finish_reason = out.finish_reason
-                sample.stop_reason = out.stop_reason
-            if sample.finish_reason is not None:
-                state.num_finished += 1
-                self.sample_owner.pop(sample.req_id, None)
-            if out.new_token_ids or sample.finish_reason is not None:
-                sample.changed = True
+                except Exception as exc:  # e.g. the tokenizer cannot decode its tokens: this request only
+                    logger.exception("processing the output of request %s failed", state.request_id)
+                    self._fail(state, RequestError(f"processing the output failed: {exc!r}", bad_input=False),
+                               to_abort)
+            if sample.changed:
                 touched[state.request_id] = state
 
         request_outputs = []
         for state in touched.values():
-            out = self._make_output(state, force_all=False)
+            out = self._make_output(state)
             if out is not None:
                 request_outputs.append(out)
             if state.finished:
                 self.requests.pop(state.request_id, None)
                 state.metrics.finished_time = now
                 stats.finished_requests.append(self._finished_stats(state, now))
-        return ProcessedOutputs(request_outputs, to_finish, stats)
+        return ProcessedOutputs(request_outputs, to_finish, to_abort, stats)
 
     # -- pieces -----------------------------------------------------------------------------------
+    def _process_one(self, state: RequestState, sample: SampleState, out: EngineCoreOutput,
+                     stats: IterationStats, now: float) -> bool:
+        """Applies one output to its sample; True when the sample's text hit a stop string."""
+        if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
+            state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+        hit_stop = False
+        if out.new_token_ids:
+            self._record_token_timing(state, stats, now, len(out.new_token_ids), out.num_cached_tokens)
+            self._append_tokens(state, sample, out)
+            if state.params.stop and sample.detokenizer is not None:
+                hit_stop = self._check_stop_strings(state, sample)
+        if sample.finish_reason is None and out.finish_reason is not None:
+            sample.finish_reason = out.finish_reason
+            sample.stop_reason = out.stop_reason
+        if sample.finish_reason is not None:
+            self._finish_sample(state, sample)
+        elif out.new_token_ids:
+            sample.changed = True
+        return hit_stop
+
+    def _finish_sample(self, state: RequestState, sample: SampleState) -> None:
+        state.num_finished += 1
+        sample.changed = True
+        self.sample_owner.pop(sample.req_id, None)
+
+    def _fail(self, state: RequestState, error: RequestError, to_abort: list[str]) -> None:
+        """Ends every unfinished sample of the request with "error"; they go to `to_abort`."""
+        state.error = error
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "error"
+                self._finish_sample(state, s)
+                to_abort.append(s.req_id)
+
+    @staticmethod
+    def _record_events(state: RequestState, out: EngineCoreOutput) -> None:
+        m = state.metrics
+        for event in out.events:
+            if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
+                m.first_scheduled_time = event.timestamp
+                m.time_in_queue = max(event.timestamp - m.arrival_time, 0.0)
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                m.num_preemptions += 1
+
     def _record_token_timing(self, state: RequestState, stats: IterationStats, now: float, num_new: int,
                              num_cached: int) -> None:
         m = state.metrics
@@ -242,7 +282,7 @@ class OutputProcessor:
                                 cumulative_logprob=s.cumulative_logprob if state.user_wants_logprobs else None,
                                 logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
 
-    def _make_output(self, state: RequestState, force_all: bool) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
         params = state.params
         kind = params.output_kind
         finished = state.finished
@@ -259,7 +299,7 @@ class OutputProcessor:
         elif kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         elif kind == RequestOutputKind.DELTA:
-            completions = [self._completion(state, s, delta=True) for s in state.samples if s.changed or force_all]
+            completions = [self._completion(state, s, delta=True) for s in state.samples if s.changed]
         else:
             completions = [self._completion(state, s, delta=False) for s in state.samples]
         for s in state.samples:
@@ -268,7 +308,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished, metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens)
+            num_cached_tokens=state.num_cached_tokens, error=state.error)
 
     def _finished_stats(self, state: RequestState, now: float) -> FinishedRequestStats:
         m = state.metrics

@@ -18,7 +18,8 @@ class Executor(Protocol):
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step. Blocking: the async engine calls it from a worker thread. Raises ExecutorDeadError."""
+        """Run one step. Blocking: the async engine calls it from a worker thread. Failures one request owns
+        come back in `RunnerOutput.failed_requests`; any other failure raises ExecutorDeadError (fatal)."""
         ...
 
     def shutdown(self) -> None: ...
@@ -34,12 +35,12 @@ def cuda_available() -> bool:
         return False
 
 
-def make_executor(config: AserveConfig, **runner_kwargs) -> Executor:
-    backend = config.parallel.distributed_executor_backend
-    if backend == "mp":
+def make_executor(config: AserveConfig) -> Executor:
+    """The executor `--distributed-executor-backend` names (not started yet)."""
+    if config.parallel.distributed_executor_backend == "mp":
         from aserve.executor.process import ProcessExecutor
 
-        return ProcessExecutor(config, **runner_kwargs)
+        return ProcessExecutor(config)
     from aserve.executor.thread import ThreadExecutor
 
-    return ThreadExecutor(config, **runner_kwargs)
+    return ThreadExecutor(config)

@@ -29,14 +29,14 @@ _decode_info = msgspec.msgpack.Decoder(RunnerInfo)
 _EXECUTE, _SHUTDOWN, _OK, _ERROR = b"E", b"S", b"O", b"X"
 
 
-def _worker_main(conn, config_bytes: bytes, runner_kwargs: dict) -> None:
+def _worker_main(conn, config_bytes: bytes) -> None:
     config: AserveConfig = pickle.loads(config_bytes)
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO"),
                         format="%(levelname)s %(asctime)s [worker] %(name)s: %(message)s")
     try:
         from aserve.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(config, **runner_kwargs)
+        runner = ModelRunner(config)
         runner.load_model()
         info = runner.initialize_kv_cache()
         runner.capture_graphs()
@@ -63,9 +63,8 @@ def _worker_main(conn, config_bytes: bytes, runner_kwargs: dict) -> None:
 class ProcessExecutor:
     name = "mp"
 
-    def __init__(self, config: AserveConfig, **runner_kwargs):
+    def __init__(self, config: AserveConfig):
         self.config = config
-        self.runner_kwargs = runner_kwargs
         self._conn = None
         self._proc = None
         self._dead: str | None = None
@@ -73,7 +72,7 @@ class ProcessExecutor:
     def start(self) -> RunnerInfo:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_worker_main, args=(child, pickle.dumps(self.config), self.runner_kwargs),
+        self._proc = ctx.Process(target=_worker_main, args=(child, pickle.dumps(self.config)),
                                  name="aserve-runner", daemon=True)
         self._proc.start()
         child.close()
@@ -98,9 +97,6 @@ class ProcessExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
-        if scheduler_output.new_requests and any(n.sampling_params.logits_processors
-                                                 for n in scheduler_output.new_requests):
-            raise ValueError("logits_processors need the in-process executor (--distributed-executor-backend uni)")
         try:
             self._conn.send_bytes(_EXECUTE + _encoder.encode(scheduler_output))
         except (BrokenPipeError, OSError) as exc:

@@ -181,8 +181,7 @@ class ModelRunner:
 
     def _apply_block_ops(self, so: SchedulerOutput) -> None:
         for pairs, src_caches, dst_caches in ((so.blocks_to_swap_out, self.kv_caches, self.cpu_kv_caches),
-                                              (so.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches),
-                                              (so.blocks_to_copy, self.kv_caches, self.kv_caches)):
+                                              (so.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches)):
             if not pairs:
                 continue
             src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)

@@ -5,7 +5,13 @@
 Shutdown (SIGINT/SIGTERM, or `stop` set): new requests get 503 and the listening socket closes
 (connection refused); in-flight requests get `args.shutdown_grace_period` seconds to finish (then
 they are cancelled, which aborts them in the engine); then the engine loop is shut down. A second
-signal cancels everything at once. An engine crash cancels the group and propagates.
+signal cancels everything at once.
+
+Engine death (the worker process died, the device failed): the engine has already ended every
+in-flight request with an error, and /health answers 503 at once. The server keeps answering for
+`ENGINE_DEATH_LINGER_S` seconds (so handlers write those errors and health checks see the 503), then
+shuts down like a graceful stop, and `serve` raises EngineDiedError: the process exits non-zero for
+its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ from aserve.server.metrics import LoggingStatLogger
 from aserve.server.state import EngineClient
 
 logger = logging.getLogger("aserve.server")
+
+ENGINE_DEATH_LINGER_S = 2.0
+
+
+class EngineDiedError(RuntimeError):
+    """The engine died while serving; the server shut down after reporting it."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,23 @@ async def _serve_http(
         done.set()
 
 
+async def _run_engine(
+    engine: EngineClient,
+    stop: anyio.Event,
+    died: list[BaseException],
+    *,
+    task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """The engine loop; if it dies, record why, linger, then trigger the shutdown."""
+    try:
+        await engine.run(task_status=task_status)
+    except Exception as exc:
+        died.append(exc)
+        logger.error("the engine died (%r): answering 503 for %.0f s, then exiting", exc, ENGINE_DEATH_LINGER_S)
+        await anyio.sleep(ENGINE_DEATH_LINGER_S)
+        stop.set()
+
+
 async def serve(
     engine: EngineClient,
     args: ServerArgs,
@@ -123,7 +152,7 @@ async def serve(
     """Run the engine loop, the stats logger and the HTTP server until `stop` is set (or a signal).
 
     Reports the bound address through `task_status` once the socket listens and the engine runs.
-    Returns after a graceful shutdown; raises if the engine loop dies.
+    Returns after a graceful shutdown; raises EngineDiedError after shutting down if the engine died.
     """
     stop = stop or anyio.Event()
     app = create_app(engine, args)
@@ -136,9 +165,10 @@ async def serve(
         await stop.wait()
         state.draining = True
 
+    died: list[BaseException] = []
     with anyio.CancelScope() as root:
         async with anyio.create_task_group() as engine_group:
-            await engine_group.start(engine.run)
+            await engine_group.start(_run_engine, engine, stop, died)
             try:
                 async with anyio.create_task_group() as services:
                     if handle_signals:
@@ -158,6 +188,8 @@ async def serve(
                 engine.shutdown()
     if root.cancelled_caught:
         logger.warning("forced shutdown")
+    if died:
+        raise EngineDiedError(f"the engine died: {died[0]!r}") from died[0]
     logger.info("server stopped")
 
 

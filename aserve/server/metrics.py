@@ -17,7 +17,8 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from aserve.engine.stats import IterationStats, SchedulerStats
+from aserve.core.stats import SchedulerStats
+from aserve.engine.stats import IterationStats
 
 logger = logging.getLogger("aserve.server.stats")
 
@@ -141,17 +142,8 @@ class PrometheusStatLogger:
         for reason in ("stop", "length"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
 
-        self._last_totals: dict[Counter, int] = {}  # what the cumulative counters were moved up to
-
     def _label(self, metric: Any, **extra: str) -> Any:
         return metric.labels(model_name=self.model_name, **extra)
-
-    def _count_up_to(self, counter: Counter, total: int) -> None:
-        """Move `counter` by what a cumulative scheduler count gained since the last call (never back)."""
-        last = self._last_totals.get(counter, 0)
-        if total > last:
-            self._label(counter).inc(total - last)
-            self._last_totals[counter] = total
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         label = self._label
@@ -161,9 +153,11 @@ class PrometheusStatLogger:
         label(self.num_requests_swapped).set(s.num_swapped_reqs)
         label(self.gpu_cache_usage).set(s.kv_cache_usage)
         label(self.kv_cache_usage).set(s.kv_cache_usage)
-        self._count_up_to(self.prefix_cache_queries, s.prefix_cache_queries)
-        self._count_up_to(self.prefix_cache_hits, s.prefix_cache_hits)
-        self._count_up_to(self.num_preemptions, s.num_preemptions)
+        for counter, delta in ((self.prefix_cache_queries, s.prefix_cache_queries),
+                               (self.prefix_cache_hits, s.prefix_cache_hits),
+                               (self.num_preemptions, s.num_preemptions)):
+            if delta:
+                label(counter).inc(delta)
 
         it = iteration_stats
         if it.num_prompt_tokens:
@@ -227,13 +221,15 @@ class LoggingStatLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._latest = SchedulerStats()
-        self._queries_at_last_log = 0
-        self._hits_at_last_log = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
         self._changed = False
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self._prompt_tokens += iteration_stats.num_prompt_tokens
         self._generation_tokens += iteration_stats.num_generation_tokens
+        self._prefix_queries += scheduler_stats.prefix_cache_queries
+        self._prefix_hits += scheduler_stats.prefix_cache_hits
         self._latest = scheduler_stats
         self._changed = True
 
@@ -245,8 +241,7 @@ class LoggingStatLogger:
         busy = self._changed and (
             self._prompt_tokens or self._generation_tokens or s.num_running_reqs or s.num_waiting_reqs
         )
-        queries = s.prefix_cache_queries - self._queries_at_last_log
-        hits = s.prefix_cache_hits - self._hits_at_last_log
+        queries, hits = self._prefix_queries, self._prefix_hits
         line = None
         if busy:
             hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
@@ -259,7 +254,7 @@ class LoggingStatLogger:
             )
         self._last_time = now
         self._prompt_tokens = self._generation_tokens = 0
-        self._queries_at_last_log, self._hits_at_last_log = s.prefix_cache_queries, s.prefix_cache_hits
+        self._prefix_queries = self._prefix_hits = 0
         self._changed = bool(s.num_running_reqs or s.num_waiting_reqs)
         return line
 

@@ -119,7 +119,7 @@ def test_recompute_preemption_resumes_with_all_tokens():
             if "b" in new:
                 assert len(new["b"].output_token_ids) == num_out and new["b"].num_computed_tokens == 0
     assert preempted_seen
-    assert s.snapshot().num_preemptions >= 1
+    assert s.make_stats().num_preemptions >= 1
     for rid, n in prompts.items():
         assert d.tokens[rid] == reference_outputs(make_request("x", n).prompt_token_ids, 8, 64)
     assert s.kv_cache_manager.num_free_blocks == 7
@@ -211,7 +211,7 @@ def test_abort_a_waiting_request():
     s.add_request(make_request("b", 4))
     s.schedule()
     s.abort_requests(["b"])
-    assert len(s.waiting) == 0 and s.get_num_unfinished_requests() == 1
+    assert len(s.waiting) == 0 and list(s.requests) == ["a"]
     assert s.schedule().finished_req_ids == ["b"]
 
 
@@ -221,7 +221,7 @@ def test_finish_requests_with_a_status():
     s.add_request(make_request("a", 4, max_tokens=10))
     d.step()
     s.finish_requests(["a"], RequestStatus.FINISHED_STOPPED)  # e.g. a stop string matched
-    assert not s.has_unfinished_requests() and s.has_finished_requests()
+    assert not s.has_unfinished_requests()
     assert s.schedule().finished_req_ids == ["a"]
     with pytest.raises(ValueError, match="status"):
         s.finish_requests(["a"], RequestStatus.RUNNING)
@@ -266,7 +266,7 @@ def test_prefix_hits_are_counted_and_blocks_shared():
     kv = s.kv_cache_manager
     shared = kv.get_block_ids("a")[:2]
     assert kv.get_block_ids("b")[:2] == shared and [kv.pool.ref_cnt(b) for b in shared] == [2, 2]
-    snap = s.snapshot()
+    snap = s.make_stats()
     assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (20, 8)
     d.run()
     assert d.tokens["b"] == reference_outputs(make_request("x", 10).prompt_token_ids, 3, 64)
@@ -325,7 +325,7 @@ def test_swap_out_and_back_in_round_trip():
         if so.blocks_to_swap_out:
             saw_out = True
             assert "b" in so.finished_req_ids and s.get_request("b").status == RequestStatus.SWAPPED
-            assert s.snapshot().num_swapped_reqs == 1
+            assert s.make_stats().num_swapped_reqs == 1
             assert [c for _, c in so.blocks_to_swap_out] == s.kv_cache_manager.get_cpu_block_ids("b")
             computed = s.get_request("b").num_computed_tokens
         if so.blocks_to_swap_in:
@@ -349,7 +349,7 @@ def test_swap_mode_without_cpu_blocks_recomputes():
     while s.has_unfinished_requests():
         so, _ = d.step()
         assert not so.blocks_to_swap_out and not so.blocks_to_swap_in and len(s.swapped) == 0
-    assert s.snapshot().num_preemptions >= 1
+    assert s.make_stats().num_preemptions >= 1
 
 
 # -- stop conditions ------------------------------------------------------------------------------
@@ -413,13 +413,13 @@ def test_logprobs_and_chunked_prompt_logprobs_pass_through():
     assert all(len(o.new_logprobs) == 1 and o.new_logprobs[0].token_ids == o.new_token_ids for o in token_outs)
 
 
-def test_snapshot():
+def test_make_stats_reports_gauges_now():
     s = make_scheduler(num_blocks=11, block_size=4, max_num_seqs=1)
     s.add_request(make_request("a", 6, max_tokens=5))
     s.add_request(make_request("b", 6, max_tokens=5))
     d = Driver(s)
     d.step()
-    snap = s.snapshot()
+    snap = s.make_stats()
     assert (snap.num_running_reqs, snap.num_waiting_reqs, snap.num_swapped_reqs) == (1, 1, 0)
     assert (snap.num_used_blocks, snap.num_total_blocks) == (2, 10)
     assert snap.kv_cache_usage == pytest.approx(0.2)
@@ -433,3 +433,18 @@ def test_empty_schedule():
     assert s.update(so, RunnerOutput([], [], [])) == []
     assert next_token([1, 2]) == next_token([1, 2])
     assert TokenLogprobs([1], [0.0], [1]).token_ids == [1]
+
+
+def test_make_stats_counters_are_per_call_deltas():
+    s = make_scheduler(block_size=4, enable_prefix_caching=True)
+    d = Driver(s)
+    s.add_request(make_request("a", 10, max_tokens=20))
+    d.step()
+    assert s.make_stats().prefix_cache_queries == 10
+    assert s.make_stats().prefix_cache_queries == 0, "a second call reports nothing new"
+    s.add_request(make_request("b", 10, max_tokens=3))
+    d.step()
+    peek = s.make_stats(consume=False)
+    stats = s.make_stats()
+    assert (peek.prefix_cache_queries, peek.prefix_cache_hits) == (stats.prefix_cache_queries,
+                                                                  stats.prefix_cache_hits) == (10, 8)

@@ -59,15 +59,15 @@ def qwen2_reference(tiny_qwen2):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tiny_llama_matches_hf(case, tiny_llama, llama_reference):
+def test_tiny_llama_matches_hf(case, tiny_llama, llama_reference, stat_totals):
     llm = _llm(tiny_llama, **CASES[case])
+    totals = stat_totals(llm)
     assert _generate(llm, PROMPTS) == llama_reference
-    stats = llm.engine.core.scheduler_stats()
-    assert stats.num_used_blocks == 0, "every block must be back in the pool after the requests finish"
+    assert totals.latest.num_used_blocks == 0, "every block must be back in the pool after the requests finish"
     if case == "prefix_caching":
-        assert stats.prefix_cache_hits >= 40 - 8, "the shared 40-token prefix must be found in the cache"
+        assert totals.prefix_cache_hits >= 40 - 8, "the shared 40-token prefix must be found in the cache"
     if case in ("preemption", "swap"):
-        assert stats.num_preemptions > 0, "18 blocks of 8 tokens cannot hold this batch: it must preempt"
+        assert totals.num_preemptions > 0, "18 blocks of 8 tokens cannot hold this batch: it must preempt"
 
 
 @pytest.mark.parametrize("case", ["defaults", "chunked_tiny_budget", "preemption", "block_32"])
@@ -76,13 +76,14 @@ def test_tiny_qwen2_matches_hf(case, tiny_qwen2, qwen2_reference):
     assert _generate(llm, PROMPTS) == qwen2_reference
 
 
-def test_prefix_cache_reuse_across_calls(tiny_llama, llama_reference):
+def test_prefix_cache_reuse_across_calls(tiny_llama, llama_reference, stat_totals):
     """A second generate over the same prompts hits the cache for every full block and still matches."""
     llm = _llm(tiny_llama, enable_prefix_caching=True, block_size=8)
+    totals = stat_totals(llm)
     assert _generate(llm, PROMPTS) == llama_reference
-    hits_before = llm.engine.core.scheduler_stats().prefix_cache_hits
+    hits_before = totals.prefix_cache_hits
     assert _generate(llm, PROMPTS) == llama_reference
-    hits = llm.engine.core.scheduler_stats().prefix_cache_hits - hits_before
+    hits = totals.prefix_cache_hits - hits_before
     assert hits >= sum((len(p) - 1) // 8 * 8 for p in PROMPTS)
 
 
@@ -115,16 +116,17 @@ def smol_reference(bundled_model_path, smol_prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["defaults", "chunked_tiny_budget", "preemption", "prefix_caching"])
-def test_smollm2_matches_hf(case, bundled_model_path, smol_prompts, smol_reference):
+def test_smollm2_matches_hf(case, bundled_model_path, smol_prompts, smol_reference, stat_totals):
     kwargs = dict(CASES[case], max_model_len=128)
     if case == "preemption":  # 11 usable blocks of 8 tokens for 4 requests of ~60 tokens each
         kwargs.update(num_gpu_blocks_override=12, enable_prefix_caching=False, max_model_len=80)
     llm = LLM("", dtype="float32", cpu_kvcache_space=0.1, **kwargs)
+    totals = stat_totals(llm)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     outs = llm.generate([{"prompt_token_ids": p} for p in smol_prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == smol_reference
     if case == "preemption":
-        assert llm.engine.core.scheduler_stats().num_preemptions > 0
+        assert totals.num_preemptions > 0
     tok = llm.get_tokenizer()
     for o, ref in zip(outs, smol_reference):
         assert o.outputs[0].text == tok.decode(ref, skip_special_tokens=True)

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from aserve import LLM, SamplingParams
+from aserve import SamplingParams
 from aserve.model.attention.triton_backend import TritonAttentionBackend
 from tests.conftest import hf_greedy
 
@@ -23,12 +23,14 @@ PROMPTS = [[_rng.randrange(3, 500) for _ in range(n)] for n in (5, 21)]
 PROMPTS += [_shared + [11, 12], _shared + [21, 22, 23]]
 
 
-def _generate(path: str, backend: str, block_size: int) -> tuple[list[list[int]], LLM, list[dict[str, int]]]:
-    """Greedy tokens per prompt, the LLM, and each step's schedule (request id -> new tokens)."""
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, attention_backend=backend, block_size=block_size,
-              max_model_len=64, cpu_kvcache_space=0.01, max_num_seqs=4, max_num_batched_tokens=16,
-              enable_chunked_prefill=True, enable_prefix_caching=True)
-    runner = llm.engine.core.executor.runner
+def _generate(llm_with_runner, stat_totals, path: str, backend: str, block_size: int):
+    """Greedy tokens per prompt, the LLM's stat totals, its runner, and each step's schedule
+    (request id -> new tokens)."""
+    llm, runner = llm_with_runner(
+        path, dtype="float32", skip_tokenizer_init=True, attention_backend=backend, block_size=block_size,
+        max_model_len=64, cpu_kvcache_space=0.01, max_num_seqs=4, max_num_batched_tokens=16,
+        enable_chunked_prefill=True, enable_prefix_caching=True)
+    totals = stat_totals(llm)
     steps: list[dict[str, int]] = []
     execute = runner.execute
 
@@ -39,27 +41,24 @@ def _generate(path: str, backend: str, block_size: int) -> tuple[list[list[int]]
     runner.execute = recording_execute
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm, steps
+    return [o.outputs[0].token_ids for o in outs], totals, runner, steps
 
 
 @pytest.mark.parametrize(("model", "block_size"), [("tiny_llama", 8), ("tiny_qwen2", 16)])
-def test_triton_matches_torch_backend_and_hf(model, block_size, request):
+def test_triton_matches_torch_backend_and_hf(model, block_size, request, llm_with_runner, stat_totals):
     path = request.getfixturevalue(model)
     reference = hf_greedy(path, PROMPTS, MAX_NEW, ignore_eos=True)
 
-    got, llm, steps = _generate(path, "triton", block_size)
-    assert llm.engine.core.info.attention_backend == "triton"
+    got, totals, runner, steps = _generate(llm_with_runner, stat_totals, path, "triton", block_size)
     assert all(sum(step.values()) <= 16 for step in steps)
     assert any(1 in step.values() and max(step.values()) > 1 for step in steps), "a step must mix decode and prefill"
     prefill_steps = Counter(req_id for step in steps for req_id, n in step.items() if n > 1)
     assert max(prefill_steps.values()) > 1, "some prompt's prefill must be split over several steps"
-    runner = llm.engine.core.executor.runner
     assert all(isinstance(layer.self_attn.attn.backend, TritonAttentionBackend)
                for layer in runner.model.model.layers)
-    stats = llm.engine.core.scheduler_stats()
-    assert stats.prefix_cache_hits >= block_size, "the shared 24-token prefix must come from the cache"
-    assert stats.num_used_blocks == 0
+    assert totals.prefix_cache_hits >= block_size, "the shared 24-token prefix must come from the cache"
+    assert totals.latest.num_used_blocks == 0
 
-    want, _, _ = _generate(path, "torch", block_size)
+    want, _, _, _ = _generate(llm_with_runner, stat_totals, path, "torch", block_size)
     assert want == reference
     assert got == reference

@@ -10,16 +10,24 @@ import pytest
 
 from aserve.config import EngineArgs
 from aserve.engine.async_engine import AsyncEngine, EngineDeadError
-from aserve.executor.base import ExecutorDeadError
+from aserve.executor.base import ExecutorDeadError, make_executor
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70))]
 
 
-def _engine(path: str, **kwargs) -> AsyncEngine:
+def _engine(path: str, executors: list | None = None, **kwargs) -> AsyncEngine:
+    """The engine; the executor it made is appended to `executors` when given."""
     args = EngineArgs(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                       cpu_kvcache_space=0.02, **kwargs)
-    return AsyncEngine.from_engine_args(args)
+
+    def factory(config):
+        executor = make_executor(config)
+        if executors is not None:
+            executors.append(executor)
+        return executor
+
+    return AsyncEngine.from_engine_args(args, executor_factory=factory)
 
 
 async def _collect(engine: AsyncEngine, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
@@ -89,8 +97,9 @@ def test_abort_frees_blocks_within_a_step(tiny_llama):
 
 def test_worker_death_fails_requests_and_health(tiny_llama):
     async def main():
-        engine = _engine(tiny_llama, distributed_executor_backend="mp")
-        pid = engine.engine.core.executor.pid
+        executors: list = []
+        engine = _engine(tiny_llama, executors, distributed_executor_backend="mp")
+        pid = executors[0].pid
         with pytest.raises(BaseException):  # the engine loop re-raises, failing its task group
             async with anyio.create_task_group() as tg:
                 await tg.start(engine.run)

@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from aserve import LLM, SamplingParams
+from aserve.config import EngineArgs
+from aserve.engine.llm_engine import LLMEngine
+from aserve.executor.thread import ThreadExecutor
 from aserve.runner.cuda_graphs import CudaGraphRunner, _Graph
 from aserve.runner.model_runner import ModelInputsForProfile
 from tests.conftest import hf_greedy
@@ -31,8 +34,22 @@ def _generate(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW) -> lis
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _llm(model: str, **engine_args) -> LLM:
+    """An LLM whose runner the test can see: built through the public executor factory."""
+    executors = []
+
+    def factory(config):
+        executors.append(ThreadExecutor(config))
+        return executors[-1]
+
+    llm = LLM.from_engine(LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **engine_args),
+                                                     executor_factory=factory))
+    llm.test_runner = executors[0].runner
+    return llm
+
+
 def _runner(llm: LLM):
-    return llm.engine.core.executor.runner
+    return llm.test_runner
 
 
 def _release(*llms: LLM) -> None:
@@ -77,7 +94,7 @@ def test_profile_inputs_cover_the_largest_step():
 
 
 def test_profile_step_runs_and_keeps_the_bound_cache(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_batched_tokens=160,
+    llm = _llm(tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_batched_tokens=160,
               max_num_seqs=4, cpu_kvcache_space=0.01, block_size=8)
     runner = _runner(llm)
     runner.run_profile_step()  # 160 tokens as prompts of 64, 64 and 32
@@ -121,8 +138,8 @@ def test_emulated_graph_replay_matches_eager(tiny_llama, backend):
               "block_size": 8, "max_num_seqs": 4, "attention_backend": backend}
     # The interpreter is slow: fewer, shorter runs for triton (contexts still reach 3-4 blocks).
     prompts, max_new = (PROMPTS[1:4], MAX_NEW) if backend == "torch" else ([PROMPTS[0], PROMPTS[3]], 4)
-    eager = _generate(LLM(tiny_llama, **common), prompts, max_new)
-    llm = LLM(tiny_llama, **common)
+    eager = _generate(_llm(tiny_llama, **common), prompts, max_new)
+    llm = _llm(tiny_llama, **common)
     g = _emulate_graphs(_runner(llm))
     replays = _count_calls(g, "run")
     assert _generate(llm, prompts, max_new) == eager
@@ -134,7 +151,7 @@ def _cuda_llm(path: str, **kwargs) -> LLM:
     base = {"dtype": "float32", "skip_tokenizer_init": True, "device": "cuda", "max_model_len": 1024,
             "block_size": 16, "num_gpu_blocks_override": 512, "max_num_seqs": 8}
     base.update(kwargs)
-    return LLM(path, **base)
+    return _llm(path, **base)
 
 
 @pytest.mark.gpu
@@ -179,11 +196,11 @@ def test_gpu_memory_profiling_keeps_kv_within_budget(tiny_llama):
     total = torch.cuda.get_device_properties(0).total_memory
     budget = utilization * total
     before = torch.cuda.memory_allocated()
-    llm = LLM(tiny_llama, dtype="float32", skip_tokenizer_init=True, device="cuda", enforce_eager=True,
+    llm = _llm(tiny_llama, dtype="float32", skip_tokenizer_init=True, device="cuda", enforce_eager=True,
               gpu_memory_utilization=utilization, block_size=128, max_model_len=256, max_num_batched_tokens=512,
               max_num_seqs=8)
     try:
-        info = llm.engine.core.info
+        info = llm.engine.core.runner_info
         runner = _runner(llm)
         kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
         assert kv_bytes == info.num_blocks * info.kv_bytes_per_block > 0
@@ -200,19 +217,19 @@ def test_gpu_memory_profiling_keeps_kv_within_budget(tiny_llama):
 
 
 @pytest.mark.gpu
-def test_swap_preemption_on_cuda_matches_hf(tiny_llama):
+def test_swap_preemption_on_cuda_matches_hf(tiny_llama, stat_totals):
     """18 blocks of 8 tokens cannot hold 8 prompts: requests are swapped out to pinned CPU memory and
     back in (decodes replaying CUDA graphs), and the tokens still equal HF's."""
     reference = hf_greedy(tiny_llama, PROMPTS, 12, ignore_eos=True)
     llm = _cuda_llm(tiny_llama, max_model_len=128, block_size=8, num_gpu_blocks_override=18,
                     preemption_mode="swap", swap_space=0.01)
+    totals = stat_totals(llm)
     try:
         runner = _runner(llm)
         assert runner.cpu_kv_caches and all(t.is_pinned() for t in runner.cpu_kv_caches)
         steps = _count_calls(runner, "_apply_block_ops")
         assert _generate(llm, PROMPTS, 12) == reference
         assert any(so.blocks_to_swap_out for so in steps) and any(so.blocks_to_swap_in for so in steps)
-        stats = llm.engine.core.scheduler_stats()
-        assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
+        assert totals.num_preemptions > 0 and totals.latest.num_used_blocks == 0
     finally:
         _release(llm)

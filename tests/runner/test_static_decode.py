@@ -6,6 +6,7 @@ import random
 
 from aserve import LLM, SamplingParams
 from aserve.runner.cuda_graphs import capture_sizes, padded_size
+from aserve.runner.model_runner import ModelRunner
 
 
 def test_capture_sizes():
@@ -17,13 +18,13 @@ def test_capture_sizes():
     assert padded_size(sizes, 33) is None
 
 
-def test_padding_never_changes_tokens(tiny_llama):
+def test_padding_never_changes_tokens(tiny_llama, llm_with_runner):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))] for _ in range(10)]
     common = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.02,
                   max_num_seqs=10)
     eager = LLM(tiny_llama, **common)
-    padded = LLM(tiny_llama, _runner_kwargs={"force_static_decode": True}, **common)
+    padded, _ = llm_with_runner(tiny_llama, lambda config: ModelRunner(config, force_static_decode=True), **common)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False)
     # Every batch size 1..10 exercises every capture size (1, 2, 4, 8, 10) and padding inside each.
     for k in range(1, 11):

@@ -1,0 +1,107 @@
+"""Building an engine from `EngineArgs`: validate, resolve the model, load the tokenizer, start the
+executor (which loads the model and sizes the KV cache), and hand the parts to the engines.
+
+`build_engine(args)` validates every argument that does not need the model's files before it
+resolves, downloads or converts anything, so a bad flag is reported at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aserve.config import AserveConfig, ConfigError, EngineArgs
+from aserve.engine.engine_core import EngineCore
+from aserve.executor.base import Executor, cuda_available, make_executor
+
+logger = logging.getLogger(__name__)
+
+ExecutorFactory = Callable[[AserveConfig], Executor]
+
+# generation_config.json key -> SamplingParams field (vLLM's --generation-config auto).
+_SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass
+class EngineParts:
+    config: AserveConfig
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+    core: EngineCore
+    generation_defaults: dict
+
+
+def load_tokenizer(config: AserveConfig):
+    if config.model.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        config.model.tokenizer, revision=config.model.tokenizer_revision,
+        trust_remote_code=config.model.trust_remote_code)
+
+
+def read_generation_config(folder: str | Path) -> dict:
+    """The folder's generation_config.json as a dict ({} when there is none)."""
+    path = Path(folder) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def generation_defaults(config: AserveConfig, model_generation_config: dict) -> dict:
+    """Sampling defaults per --generation-config: `auto` = the model's file, `vllm` = none, else a folder."""
+    source = config.model.generation_config
+    if source == "vllm":
+        return {}
+    data = model_generation_config if source == "auto" else read_generation_config(source)
+    return {ours: data[theirs] for theirs, ours in _SAMPLING_DEFAULT_KEYS.items() if theirs in data}
+
+
+def eos_token_ids(config: AserveConfig, model_generation_config: dict, tokenizer) -> tuple[int, ...]:
+    """The model config's EOS ids, then the generation config's, then the tokenizer's (deduplicated)."""
+    ids = list(config.model.arch.eos_token_ids)
+    eos = model_generation_config.get("eos_token_id")
+    ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_executor) -> EngineParts:
+    """Validate, resolve, load. Raises ConfigError / ModelSourceError with a message naming the argument.
+
+    `executor_factory(config)` makes the (unstarted) executor; tests hand in one whose runner is fake.
+    """
+    from aserve.model_source import resolve_model
+
+    # TODO(config split): args.validate() here, before any model work
+    start = time.perf_counter()
+    model_path = resolve_model(args.model, args.revision, args.download_dir, args.load_format)
+    tokenizer_path = args.tokenizer
+    if tokenizer_path is not None and not Path(tokenizer_path).exists():
+        tokenizer_path = resolve_model(tokenizer_path, args.tokenizer_revision, args.download_dir, "auto")
+    config = args.create_config(model_path=model_path, tokenizer_path=tokenizer_path,
+                                cuda_available=args.device != "cpu" and cuda_available())
+    tokenizer = load_tokenizer(config)
+    executor = executor_factory(config)
+    info = executor.start()
+    tokens = (info.num_blocks - 1) * info.block_size  # block 0 is the reserved null block
+    if tokens < config.model.max_model_len:
+        executor.shutdown()
+        raise ConfigError(
+            f"--max-model-len: {config.model.max_model_len} tokens do not fit in the KV cache ({tokens} tokens in "
+            f"{info.num_blocks - 1} blocks); lower --max-model-len or give the cache more room "
+            "(--cpu-kvcache-space, --gpu-memory-utilization, --num-gpu-blocks-override)")
+    core = EngineCore(config, executor, info)
+    logger.info("Engine ready in %.1fs: %s on %s (%s attention, %s executor); %d KV blocks x %d tokens = %d tokens "
+                "(%.1fx max_model_len)", time.perf_counter() - start, config.model.served_model_name,
+                info.device, info.attention_backend, config.parallel.distributed_executor_backend,
+                info.num_blocks - 1, info.block_size, tokens, tokens / config.model.max_model_len)
+    model_generation_config = read_generation_config(config.model.model_path)
+    return EngineParts(config=config, tokenizer=tokenizer,
+                       eos_token_ids=eos_token_ids(config, model_generation_config, tokenizer),
+                       core=core, generation_defaults=generation_defaults(config, model_generation_config))
