@@ -4,14 +4,12 @@ A full block's hash covers its parent's hash, its token ids and optional extra k
 adapter id), so equal hashes mean equal prefixes up to hash collisions. Callers that look a hash up
 must still compare the block's token ids (the block pool does).
 
-The hash function is injected: `hash` (Python's built-in over a tuple; fast, stable within one
-process) or `sha256_hash` (collision resistant, stable across processes).
+The hash function is injected (default: Python's built-in `hash` over a tuple; fast, stable within
+one process, which is all the prefix cache needs).
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,35 +18,6 @@ HashFn = Callable[[Any], int]
 
 # The parent hash of a sequence's first block.
 ROOT_PARENT_HASH: BlockHash = 0
-
-
-def sha256_hash(obj: Any) -> int:
-    """A 128-bit int from SHA-256 over the pickled object (ints, tuples, None, str)."""
-    digest = hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-    return int.from_bytes(digest[:16], "big")
-
-
-_HASH_FNS: dict[str, HashFn] = {"builtin": hash, "sha256": sha256_hash}
-
-
-def get_hash_fn(name: str) -> HashFn:
-    """The hash function called `name` ("builtin" or "sha256"); ValueError otherwise."""
-    try:
-        return _HASH_FNS[name]
-    except KeyError:
-        raise ValueError(f"hash_fn: must be one of {sorted(_HASH_FNS)}, got {name!r}") from None
-
-
-def hash_block_tokens(
-    parent_hash: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple[Any, ...] | None = None,
-    hash_fn: HashFn = hash,
-) -> BlockHash:
-    """The hash of one full block chained to `parent_hash` (None or ROOT_PARENT_HASH for the first)."""
-    if parent_hash is None:
-        parent_hash = ROOT_PARENT_HASH
-    return hash_fn((parent_hash, tuple(token_ids), extra_keys))
 
 
 def extend_block_hashes(
@@ -70,20 +39,3 @@ def extend_block_hashes(
         parent = hash_fn((parent, tuple(token_ids[start:start + block_size]), extra_keys))
         block_hashes.append(parent)
         i += 1
-
-
-def hash_request_blocks(
-    token_ids: Sequence[int],
-    block_size: int,
-    start_hashes: Sequence[BlockHash] = (),
-    extra_keys: tuple[Any, ...] | None = None,
-    hash_fn: HashFn = hash,
-) -> list[BlockHash]:
-    """Hashes of all full blocks of `token_ids`; `start_hashes` (the first blocks' hashes) are reused."""
-    if block_size < 1:
-        raise ValueError(f"block_size: must be >= 1, got {block_size}")
-    hashes = list(start_hashes)
-    if len(hashes) > len(token_ids) // block_size:
-        raise ValueError(f"start_hashes: {len(hashes)} hashes for only {len(token_ids) // block_size} full blocks")
-    extend_block_hashes(hashes, token_ids, block_size, extra_keys, hash_fn)
-    return hashes

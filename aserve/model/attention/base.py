@@ -34,7 +34,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     sliding_window: int | None = None
-    # fp8 KV cache: per-layer scales (1.0 when not quantized).
+    # fp8 KV cache: the scales every layer uses this step (1.0 when not quantized).
     k_scale: float = 1.0
     v_scale: float = 1.0
 
