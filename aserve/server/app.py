@@ -1,4 +1,10 @@
-"""The starlette app factory: routes, middleware (CORS, root path, draining, API key), error handlers."""
+"""The starlette app factory: routes, middleware (CORS, root path, draining, API key), error handlers.
+
+The routes are listed once (`_operations`); the starlette routes, `/openapi.json` and `/docs` are all
+built from that list. As in vLLM, the API key guards /v1/* only (plus /reset_prefix_cache, which
+changes server state); /health, /metrics, /version, /tokenize, /detokenize, /openapi.json and
+/docs stay open.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +16,28 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aserve.server import chat, completions, misc
 from aserve.server.args import ServerArgs
+from aserve.server import protocol as p
 from aserve.server.errors import APIError, http_error
+from aserve.server.metrics import CONTENT_TYPE
+from aserve.server.openapi import Operation, docs_page, openapi_document
 from aserve.server.sse import ClientDisconnected
 from aserve.server.state import EngineClient, ServerState
 
 logger = logging.getLogger("aserve.server")
 
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_KEYED_PATHS = frozenset({"/reset_prefix_cache"})  # outside /v1, yet guarded by the API key
+
+
+def requires_api_key(path: str) -> bool:
+    """Whether `path` (without the root path) needs the API key when one is set."""
+    return path.startswith("/v1") or path in _KEYED_PATHS
 
 
 def _route_path(scope: Scope) -> str:
@@ -34,7 +49,8 @@ def _route_path(scope: Scope) -> str:
 
 
 class GateMiddleware:
-    """Sets the root path, refuses new requests while draining (503), and checks the API key on /v1/*."""
+    """Sets the root path, refuses new requests while draining (503), and checks the API key where
+    `requires_api_key` says so."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app = app
@@ -54,7 +70,7 @@ class GateMiddleware:
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return
-        if self._expected is not None and _route_path(scope).startswith("/v1"):
+        if self._expected is not None and requires_api_key(_route_path(scope)):
             given = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
@@ -94,20 +110,84 @@ def _internal_error_handler(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").to_response()
 
 
+def _operations() -> list[Operation]:
+    """Every API route with its request and response types (the source of routes and OpenAPI)."""
+    return [
+        Operation(
+            "POST",
+            "/v1/chat/completions",
+            chat.create_chat_completion,
+            "Create a chat completion (OpenAI API)",
+            request=p.ChatCompletionRequest,
+            response=p.ChatCompletionResponse,
+            stream_chunk=p.ChatCompletionChunk,
+        ),
+        Operation(
+            "POST",
+            "/v1/completions",
+            completions.create_completion,
+            "Create a text completion (OpenAI API)",
+            request=p.CompletionRequest,
+            response=p.CompletionResponse,
+            stream_chunk=p.CompletionResponse,
+        ),
+        Operation("GET", "/v1/models", misc.list_models, "List the served model names", response=p.ModelList),
+        Operation("GET", "/health", misc.health, "200 (empty) while the engine is healthy, 503 otherwise"),
+        Operation("GET", "/version", misc.version, "The aserve version", response=dict[str, str]),
+        Operation(
+            "GET", "/metrics", misc.metrics, "Prometheus metrics", text_response=CONTENT_TYPE
+        ),
+        Operation(
+            "POST",
+            "/tokenize",
+            misc.tokenize,
+            "Tokenize a prompt or chat messages (vLLM API)",
+            request=p.TokenizeRequest,
+            response=p.TokenizeResponse,
+        ),
+        Operation(
+            "POST",
+            "/detokenize",
+            misc.detokenize,
+            "Turn token ids back into text (vLLM API)",
+            request=p.DetokenizeRequest,
+            response=p.DetokenizeResponse,
+        ),
+        Operation(
+            "POST",
+            "/reset_prefix_cache",
+            misc.reset_prefix_cache,
+            "Forget every cached prefix block (vLLM API); 409 while requests hold blocks",
+        ),
+    ]
+
+
 def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> Starlette:
     """The ASGI app serving `engine`; registers the app's Prometheus logger with the engine."""
     args = server_args or ServerArgs()
     state = ServerState.create(engine, args)
     engine.add_stat_logger(state.metrics)
-    routes = [
-        Route("/v1/chat/completions", chat.create_chat_completion, methods=["POST"]),
-        Route("/v1/completions", completions.create_completion, methods=["POST"]),
-        Route("/v1/models", misc.list_models, methods=["GET"]),
-        Route("/health", misc.health, methods=["GET"]),
-        Route("/version", misc.version, methods=["GET"]),
-        Route("/metrics", misc.metrics, methods=["GET"]),
-        Route("/tokenize", misc.tokenize, methods=["POST"]),
-        Route("/detokenize", misc.detokenize, methods=["POST"]),
+    operations = _operations()
+    doc = openapi_document(
+        operations,
+        title="aserve",
+        version=state.version,
+        root_path=args.root_path,
+        requires_key=requires_api_key if args.api_key else None,
+    )
+    doc_bytes = p.encoder.encode(doc)
+    page = docs_page(doc)
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(doc_bytes, media_type="application/json")
+
+    async def docs(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    routes = [Route(op.path, op.endpoint, methods=[op.method]) for op in operations]
+    routes += [
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
     ]
     middleware = [
         Middleware(

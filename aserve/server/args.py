@@ -58,6 +58,7 @@ class ServerArgs:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 1 = CERT_OPTIONAL, 2 = CERT_REQUIRED (client certificates)
     uvicorn_log_level: str = "info"
     log_level: str = "info"
     disable_log_requests: bool = False
@@ -173,12 +174,25 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--root-path", default="", help="path prefix when served behind a path-based proxy")
     g.add_argument("--ssl-keyfile", default=None, help="TLS private key file")
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
-    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (to verify clients)")
+    g.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        help="CA certificates that client certificates are verified against (needs --ssl-cert-reqs 1 or 2)",
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="client certificates, as Python's ssl module numbers them: 0 = not requested (CERT_NONE), "
+        "1 = verified when sent (CERT_OPTIONAL), 2 = required (CERT_REQUIRED) (default: 0)",
+    )
     g.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=_LOG_LEVELS,
-        help="log level of the HTTP server (hypercorn); vLLM's flag name",
+        help="log level of the HTTP server, which is hypercorn (aserve keeps vLLM's flag name; "
+        "'info' and below also turn on hypercorn's access log) (default: info)",
     )
     g.add_argument("--log-level", default="info", choices=_LOG_LEVELS, help="log level of aserve")
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
@@ -245,6 +259,17 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError("--ssl-keyfile and --ssl-certfile must be given together")
     if args.ssl_ca_certs and not args.ssl_certfile:
         raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs: must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    if args.ssl_ca_certs and args.ssl_cert_reqs == 0:
+        raise ValueError(
+            "--ssl-ca-certs is only used to verify client certificates, which --ssl-cert-reqs 0 (the "
+            "default) never requests: add --ssl-cert-reqs 1 (optional) or 2 (required)"
+        )
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ValueError(
+            f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs to verify client certificates against"
+        )
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise ValueError(f"--root-path: must start with '/' and not end with '/', got {args.root_path!r}")
 

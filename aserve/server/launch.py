@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,7 @@ def hypercorn_config(args: ServerArgs, sock: socket.socket) -> HypercornConfig:
         config.certfile = args.ssl_certfile
         config.keyfile = args.ssl_keyfile
         config.ca_certs = args.ssl_ca_certs
+        config.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
     return config
 
 

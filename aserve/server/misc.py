@@ -1,8 +1,9 @@
-"""GET /v1/models, /health, /version, /metrics; POST /tokenize, /detokenize."""
+"""GET /v1/models, /health, /version, /metrics; POST /tokenize, /detokenize, /reset_prefix_cache."""
 
 from __future__ import annotations
 
 import time
+from typing import Protocol, cast
 
 import msgspec
 from starlette.requests import Request
@@ -21,6 +22,12 @@ from aserve.server.protocol import (
     encoder,
 )
 from aserve.server.state import get_state
+
+class _PrefixCacheOwner(Protocol):
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (and no change) while requests hold blocks."""
+        ...
+
 
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
@@ -99,3 +106,16 @@ async def detokenize(request: Request) -> Response:
         raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param="tokens")
     text = await state.run_blocking(state.tokenizer.decode, req.tokens)
     return _json(DetokenizeResponse(prompt=text))
+
+
+async def reset_prefix_cache(request: Request) -> Response:
+    """vLLM's POST /reset_prefix_cache: 200 (empty) once the prefix cache is forgotten; 409 while
+    running requests hold KV blocks (nothing changes then; retry when the server is idle)."""
+    engine = cast(_PrefixCacheOwner, get_state(request).engine)
+    if not await engine.reset_prefix_cache():
+        raise APIError(
+            409,
+            "the prefix cache was not reset: running requests hold KV blocks; retry when idle",
+            code="prefix_cache_in_use",
+        )
+    return Response(status_code=200)
