@@ -46,11 +46,12 @@ class EngineDiedError(RuntimeError):
 class BoundAddress:
     host: str
     port: int
+    tls: bool = False
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
 
 def python_log_level(name: str) -> int:
@@ -181,7 +182,7 @@ async def serve(
                         await services.start(stats.run)
                     http_done = anyio.Event()
                     await services.start(_serve_http, app, config, shutdown_trigger, http_done)
-                    address = BoundAddress(host, port)
+                    address = BoundAddress(host, port, tls=bool(args.ssl_certfile))
                     logger.info("serving %s on %s", list(state.served_model_names), address.url)
                     task_status.started(address)
                     await http_done.wait()

@@ -59,6 +59,8 @@ class EngineClient(Protocol):
 
     def get_scheduler_stats(self) -> Any: ...
 
+    async def reset_prefix_cache(self) -> bool: ...
+
 
 def package_version() -> str:
     try:

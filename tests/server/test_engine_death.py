@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from real_tiny_server import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,7 @@ def _children(pid: int) -> list[int]:
 
 def _start(model: str) -> tuple[subprocess.Popen, str, list[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve.server.cli", "--model", model, "--skip-tokenizer-init",
+        [sys.executable, "-m", "aserve.server.cli", "--model", model,
          "--distributed-executor-backend", "mp", "--dtype", "float32", "--max-model-len", "256",
          "--cpu-kvcache-space", "0.02", "--host", "127.0.0.1", "--port", "0", "--disable-log-requests",
          "--disable-log-stats"],
@@ -49,8 +50,8 @@ def _start(model: str) -> tuple[subprocess.Popen, str, list[str]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the worker process")
-def test_sigkill_of_the_worker_fails_requests_then_health_then_exits_non_zero(tiny_llama):
-    proc, url, log = _start(tiny_llama)
+def test_sigkill_of_the_worker_fails_requests_then_health_then_exits_non_zero(tmp_path):
+    proc, url, log = _start(build_tiny_chat_model(tmp_path))
     try:
         workers = _children(proc.pid)
         assert workers, "the mp executor's worker process must exist"

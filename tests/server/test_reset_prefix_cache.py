@@ -15,7 +15,6 @@ import pytest
 from real_tiny_server import build_tiny_chat_model, serving
 from server_harness import quiet_args
 
-from aserve.engine.async_engine import AsyncEngine
 
 KEY = "sk-test"
 pytestmark = pytest.mark.timeout(300)
@@ -68,9 +67,6 @@ def _metric(http: httpx.Client, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^aserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
-@pytest.mark.skipif(
-    not hasattr(AsyncEngine, "reset_prefix_cache"), reason="AsyncEngine.reset_prefix_cache not there yet"
-)
 def test_real_engine_forgets_cached_prefixes(live):
     prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks
     headers = {"Authorization": f"Bearer {KEY}"}
