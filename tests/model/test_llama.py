@@ -84,6 +84,12 @@ def test_random_schedules(llama_tied, seed):
         pytest.param("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                    "original_max_position_embeddings": 32}}, id="rope-yarn"),
         pytest.param("mistral", {"sliding_window": 8}, id="mistral-sliding-window"),
+        pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
+                     id="qwen2-sliding-window-every-layer"),
+        pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+                     id="qwen2-sliding-window-no-layer"),
+        pytest.param("qwen2", {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 1},
+                     id="qwen2-sliding-window-off"),
         pytest.param("llama", {"num_key_value_heads": 1, "head_dim": 32}, id="mqa-head-dim-32"),
     ],
 )

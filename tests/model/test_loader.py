@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from aserve.config import KV_CACHE_DTYPE_CHOICES, RESOLVED_DTYPES
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import (
     WeightsNotFoundError,
@@ -146,3 +147,12 @@ def test_kv_cache_dtype_and_torch_dtype(tiny):
         assert kv_cache_dtype_for(cfg) == want
     with pytest.raises(ValueError, match="--dtype"):
         torch_dtype("float64")
+
+
+def test_the_torch_dtype_tables_cover_every_name_config_resolves_to(tiny):
+    """config names dtypes by string; loader.py is the one table to torch dtypes and must know them all."""
+    assert [torch_dtype(n) for n in RESOLVED_DTYPES] == [torch.float32, torch.float16, torch.bfloat16]
+    config = engine_config(tiny[0], "float32")
+    for name in KV_CACHE_DTYPE_CHOICES:
+        cfg = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=name))
+        assert kv_cache_dtype_for(cfg).is_floating_point

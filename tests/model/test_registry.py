@@ -4,7 +4,7 @@ import pytest
 
 from aserve.model.models.llama import LlamaForCausalLM
 from aserve.model.models.registry import MODEL_CLASSES, get_model_class
-from aserve.model_registry_names import SUPPORTED_ARCHITECTURES
+from aserve.config import SUPPORTED_ARCHITECTURES
 
 
 def test_every_supported_name_has_a_class():

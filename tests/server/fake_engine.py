@@ -91,8 +91,6 @@ def make_model_config(
         model="fake-model",
         model_path="/nonexistent/fake-model",
         tokenizer="fake",
-        tokenizer_mode="auto",
-        revision=None,
         tokenizer_revision=None,
         trust_remote_code=False,
         dtype="float32",

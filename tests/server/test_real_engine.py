@@ -17,13 +17,13 @@ import openai
 import pytest
 from server_harness import quiet_args
 
-from aserve.config import EngineArgs
+from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
 from aserve.server.args import ServerArgs
 from aserve.server.launch import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = BUNDLED_MODEL_NAME
 # fp32: on CPUs with native bf16, dtype=auto picks bf16, whose greedy tokens depend on the batch's company
 # (a solo run and a 16-stream run then differ), which is not what these tests are about.
 ENGINE_ARGS = dict(max_model_len=512, num_gpu_blocks_override=96, max_num_seqs=16, dtype="float32")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from aserve.config import SUPPORTED_ARCHITECTURES
 from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from aserve.model_registry_names import SUPPORTED_ARCHITECTURES
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,7 +13,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
 if set(MODEL_CLASSES) != SUPPORTED_ARCHITECTURES:  # the torch-free name list must match the classes
-    raise RuntimeError(f"model registry {sorted(MODEL_CLASSES)} != model_registry_names "
+    raise RuntimeError(f"model registry {sorted(MODEL_CLASSES)} != aserve.config.SUPPORTED_ARCHITECTURES "
                        f"{sorted(SUPPORTED_ARCHITECTURES)}")
 
 

@@ -1,0 +1,213 @@
+"""`EngineArgs`: vLLM's engine arguments (same names and defaults) and their validation.
+
+`EngineArgs.validate()` checks everything that does not need the model's files — types, choices,
+ranges, combinations of given values, and arguments that are accepted but not implemented (refused
+loudly, never ignored) — and raises `ConfigError` naming the flag. Call it before resolving,
+downloading or converting a model. `create_config()` validates too, then reads the model's
+config.json and resolves the frozen `AserveConfig` (see aserve/config/resolve.py); nothing
+downstream validates these values again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from aserve.config.errors import ConfigError, require
+from aserve.config.resolve import resolve_config
+from aserve.config.schema import AserveConfig
+
+LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf")
+_BLOCK_SIZES = (8, 16, 32, 64, 128)
+_PREEMPTION_MODES = (None, "recompute", "swap")
+_POLICIES = ("fcfs", "priority")
+_DEVICES = ("auto", "cpu", "cuda")
+_EXECUTOR_BACKENDS = (None, "uni", "mp")
+_ATTENTION_BACKENDS = (None, "torch", "triton")
+_TOKENIZER_MODES = ("auto", "slow")
+_GENERATION_CONFIG = ("auto", "vllm")
+# EngineArgs fields limited to a set of values: (field, allowed, how errors name them; None = the tuple).
+_CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
+    ("dtype", DTYPE_CHOICES, None),
+    ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES, None),
+    ("load_format", LOAD_FORMATS, None),
+    ("block_size", _BLOCK_SIZES, None),
+    ("preemption_mode", _PREEMPTION_MODES, "'recompute' or 'swap'"),
+    ("scheduling_policy", _POLICIES, None),
+    ("device", _DEVICES, None),
+    ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni' or 'mp' (ray is not implemented yet)"),
+    ("attention_backend", _ATTENTION_BACKENDS, "'torch' or 'triton'"),
+    ("tokenizer_mode", _TOKENIZER_MODES, None),
+)
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's engine arguments, same names and defaults; `validate()` checks them, `create_config()`
+    validates and resolves them against the model's config.json."""
+
+    model: str = ""
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    trust_remote_code: bool = False
+    download_dir: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    swap_space: float = 4.0
+    cpu_offload_gb: float = 0.0
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kvcache_space: float | None = None  # GiB; default from ASERVE_CPU_KVCACHE_SPACE or 4
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    enable_chunked_prefill: bool | None = None
+    preemption_mode: str | None = None
+    scheduling_policy: str = "fcfs"
+    rope_scaling: dict[str, Any] | None = None
+    rope_theta: float | None = None
+    hf_overrides: dict[str, Any] | None = None
+    generation_config: str = "auto"
+    served_model_name: str | list[str] | None = None
+    disable_log_stats: bool = False
+    device: str = "auto"
+    distributed_executor_backend: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    disable_async_output_proc: bool = False
+    attention_backend: str | None = None
+    quantization: str | None = None
+    disable_sliding_window: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments; ConfigError naming any that are not engine arguments."""
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        """Check every argument that can be checked without the model's files; raise ConfigError
+        naming the flag (`--block-size: ...`). Reads no model files and starts no download."""
+        self._validate_types()
+        self._validate_choices()
+        self._validate_numbers()
+        self._validate_combinations()
+        self._reject_unimplemented()
+
+    def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
+                      cuda_available: bool = False) -> AserveConfig:
+        """`validate()`, then resolve against the model. `model_path` is the local HF folder the model
+        source resolved `model` to (default: `model` itself); `tokenizer_path` likewise for the
+        tokenizer. Raises ConfigError naming the flag or the config.json key."""
+        self.validate()
+        return resolve_config(self, model_path, tokenizer_path, cuda_available)
+
+    # -- the checks ---------------------------------------------------------------------------------
+    def _validate_types(self) -> None:
+        for name, tp in typing.get_type_hints(EngineArgs).items():
+            value = getattr(self, name)
+            require(_has_type(value, tp), name, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+    def _validate_choices(self) -> None:
+        for name, allowed, described in _CHOICE_FIELDS:
+            value = getattr(self, name)
+            what = described or f"one of {allowed}"
+            require(value in allowed, name, f"must be {what}, got {value!r}")
+        require(self.generation_config in _GENERATION_CONFIG or os.path.isdir(self.generation_config),
+                "generation_config", "must be 'auto', 'vllm' or a folder holding generation_config.json")
+
+    def _validate_numbers(self) -> None:
+        for name in ("swap_space", "cpu_offload_gb", "gpu_memory_utilization", "cpu_kvcache_space", "rope_theta"):
+            value = getattr(self, name)
+            require(value is None or math.isfinite(value), name, f"must be a finite number, got {value}")
+        require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        require(self.max_logprobs >= 0, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
+        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(self.swap_space >= 0, "swap_space", f"must be >= 0, got {self.swap_space}")
+        require(self.cpu_offload_gb >= 0, "cpu_offload_gb", f"must be >= 0, got {self.cpu_offload_gb}")
+        require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+                "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
+        require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+                f"must be >= 1, got {self.max_model_len}")
+        require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        require(self.max_seq_len_to_capture >= 1, "max_seq_len_to_capture",
+                f"must be >= 1, got {self.max_seq_len_to_capture}")
+        require(self.cpu_kvcache_space is None or self.cpu_kvcache_space > 0, "cpu_kvcache_space",
+                f"must be > 0 GiB, got {self.cpu_kvcache_space}")
+        require(self.rope_theta is None or self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+
+    def _validate_combinations(self) -> None:
+        """Combinations of values the user gave; those involving the model's context length are
+        checked again in resolve_config once the model's default is known."""
+        if self.enable_chunked_prefill is False and self.max_num_batched_tokens is not None:
+            require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+                    f"({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})")
+            if self.max_model_len is not None:
+                require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                        f"({self.max_num_batched_tokens}) is smaller than max_model_len ({self.max_model_len}); "
+                        "this would reject long prompts. Raise it, lower --max-model-len, or enable chunked prefill")
+        if self.preemption_mode == "swap":
+            require(self.swap_space > 0, "swap_space", "must be > 0 when --preemption-mode=swap")
+        if isinstance(self.served_model_name, list):
+            require(len(self.served_model_name) > 0, "served_model_name", "must name at least one model")
+
+    def _reject_unimplemented(self) -> None:
+        """Accepted-but-unimplemented arguments fail loudly here instead of being ignored."""
+        require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is implemented")
+        require(self.pipeline_parallel_size == 1, "pipeline_parallel_size", "only 1 is implemented")
+        require(self.quantization is None, "quantization",
+                "quantized weights are not implemented; GGUF files are dequantized at load time")
+        require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
+        require(self.tokenizer_mode != "slow", "tokenizer_mode", "'slow' tokenizers are not implemented; use 'auto'")
+
+
+def _has_type(value: Any, tp: Any) -> bool:
+    """Whether `value` fits the field annotation `tp` (bool is not an int; an int is a float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is Any:
+        return True
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp).replace("typing.", "") if typing.get_args(tp) else tp.__name__
+

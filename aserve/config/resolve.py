@@ -1,0 +1,146 @@
+"""Resolving validated `EngineArgs` against the model's config.json into the frozen `AserveConfig`.
+
+Here live the defaults that depend on the model or the device: the context length, the dtype, the
+per-step token budget, the attention backend, the served names. Called by `EngineArgs.create_config`
+after `EngineArgs.validate()`; the checks left here are the ones that need the model or the device.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from aserve.config.dtype_policy import resolve_dtype
+from aserve.config.errors import require
+from aserve.config.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    ArchConfig,
+    derived_max_model_len,
+    layer_sliding_windows,
+    read_hf_config,
+)
+from aserve.config.schema import (
+    AserveConfig,
+    CacheConfig,
+    DeviceConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+
+if TYPE_CHECKING:
+    from aserve.config.engine_args import EngineArgs
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=""` serves (aserve/model_source.py finds its file)
+# vLLM derives the step budget from the context; on CPUs a step of 2048 prompt tokens takes seconds
+# and stalls every running stream, so the budget is smaller there.
+_DEFAULT_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
+
+
+def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str | None,
+                   cuda_available: bool) -> AserveConfig:
+    """The frozen config for already-validated `args`; `model_path` (default `args.model`) is the
+    local folder holding config.json. Raises ConfigError naming the flag or the config.json key."""
+    path = model_path or args.model
+    hf_cfg = read_hf_config(path)
+    overrides = dict(args.hf_overrides or {})
+    if args.rope_theta is not None:
+        overrides["rope_theta"] = args.rope_theta
+    if args.rope_scaling is not None:
+        overrides["rope_scaling"] = args.rope_scaling
+    hf_cfg = {**hf_cfg, **overrides}
+    arch = ArchConfig.from_hf_dict(hf_cfg, disable_sliding_window=args.disable_sliding_window)
+    require(arch.architecture in SUPPORTED_ARCHITECTURES, "model",
+            f"architecture {arch.architecture!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
+
+    max_model_len = _max_model_len(args, hf_cfg, arch)
+    chunked = True if args.enable_chunked_prefill is None else args.enable_chunked_prefill
+    max_batched = args.max_num_batched_tokens
+    if max_batched is None:
+        budget = _DEFAULT_TOKEN_BUDGET[device]
+        max_batched = budget if chunked else max(max_model_len, budget)
+    if not chunked:
+        require(max_batched >= max_model_len, "max_num_batched_tokens",
+                f"({max_batched}) is smaller than max_model_len ({max_model_len}); this would reject "
+                "long prompts. Raise it, lower --max-model-len, or enable chunked prefill")
+        require(max_batched >= args.max_num_seqs, "max_num_batched_tokens",
+                f"({max_batched}) must be >= max_num_seqs ({args.max_num_seqs})")
+
+    cpu_space = args.cpu_kvcache_space
+    if cpu_space is None:
+        cpu_space = float(os.environ.get("ASERVE_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", 4)))
+    model_cfg = ModelConfig(
+        model=args.model,
+        model_path=str(path),
+        tokenizer=tokenizer_path or args.tokenizer or str(path),
+        tokenizer_revision=args.tokenizer_revision,
+        trust_remote_code=args.trust_remote_code,
+        dtype=resolve_dtype(args.dtype, arch.torch_dtype, device),
+        max_model_len=max_model_len,
+        seed=args.seed,
+        served_model_names=_served_model_names(args),
+        max_logprobs=args.max_logprobs,
+        generation_config=args.generation_config,
+        arch=arch,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+    return AserveConfig(
+        model=model_cfg,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
+            swap_space_gb=args.swap_space,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cpu_kvcache_space_gb=cpu_space,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_batched,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            preemption_mode=args.preemption_mode or "recompute",
+            policy=args.scheduling_policy,
+        ),
+        load=LoadConfig(load_format=args.load_format),
+        device=DeviceConfig(device=device),
+        parallel=ParallelConfig(distributed_executor_backend=args.distributed_executor_backend or "uni"),
+        runner=RunnerConfig(
+            enforce_eager=args.enforce_eager or device != "cuda",
+            max_seq_len_to_capture=args.max_seq_len_to_capture,
+            attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
+            disable_async_output_proc=args.disable_async_output_proc,
+        ),
+    )
+
+
+def _max_model_len(args: EngineArgs, hf_cfg: dict, arch: ArchConfig) -> int:
+    """`--max-model-len`, else the model's context. With `--disable-sliding-window` on a model that
+    has a window, the context is capped at the window (as vLLM does), so full attention computes
+    exactly what the windowed model would."""
+    limit = derived_max_model_len(arch)
+    windows = [w for w in layer_sliding_windows(hf_cfg, arch.architecture) if w]
+    if args.disable_sliding_window and windows and min(windows) < limit:
+        limit = min(windows)
+        require(args.max_model_len is None or args.max_model_len <= limit, "max_model_len",
+                f"{args.max_model_len} exceeds the sliding window ({limit}) that --disable-sliding-window "
+                "caps the context at")
+    max_model_len = args.max_model_len or limit
+    require(max_model_len <= limit or bool(arch.rope_scaling), "max_model_len",
+            f"{max_model_len} exceeds the model's maximum context of {limit}")
+    return max_model_len
+
+def _served_model_names(args: EngineArgs) -> tuple[str, ...]:
+    if args.served_model_name is None:
+        return (args.model or BUNDLED_MODEL_NAME,)
+    if isinstance(args.served_model_name, str):
+        return (args.served_model_name,)
+    return tuple(args.served_model_name)

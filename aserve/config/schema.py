@@ -1,0 +1,109 @@
+"""The resolved configuration: one frozen dataclass per concern, bundled in `AserveConfig`.
+
+Built only by `EngineArgs.create_config()` (aserve/config/resolve.py), which has already validated
+every value, so consumers trust these fields. Every field has a reader except the parallel sizes
+(kept for the scale-out work); vLLM arguments that are accepted but not implemented are refused
+during validation and never reach these structs. What the
+runner learns at start-up (the KV block count) lives in `KVCacheInfo`, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.config.hf_config import ArchConfig
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user asked for (name, folder, .gguf path, or "" for the bundled default)
+    model_path: str  # the resolved local Hugging Face folder
+    tokenizer: str  # resolved local folder (or hub id) for the tokenizer
+    tokenizer_revision: str | None
+    trust_remote_code: bool
+    dtype: str  # resolved: "float32" | "float16" | "bfloat16"
+    max_model_len: int
+    seed: int
+    served_model_names: tuple[str, ...]
+    max_logprobs: int
+    generation_config: str  # "auto" | "vllm" | a folder holding generation_config.json
+    arch: ArchConfig
+    skip_tokenizer_init: bool = False
+
+    @property
+    def served_model_name(self) -> str:
+        """The first served name: the one responses report."""
+        return self.served_model_names[0]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    swap_space_gb: float = 4.0
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kvcache_space_gb: float = 4.0  # the KV budget on CPU devices (vLLM: VLLM_CPU_KVCACHE_SPACE)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    load_format: str = "auto"
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # resolved: "cpu" | "cuda"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the runner lives. The parallel sizes are always 1 today (validation refuses more);
+    they stay as fields for the scale-out work."""
+
+    distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the runner executes: graphs, eager fallback, attention backend."""
+
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    attention_backend: str = "torch"  # resolved: "torch" | "triton"
+    disable_async_output_proc: bool = False
+
+
+@dataclass(frozen=True)
+class AserveConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    load: LoadConfig
+    device: DeviceConfig
+    parallel: ParallelConfig
+    runner: RunnerConfig
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """What the runner learns at start-up and the scheduler needs: never written back into configs."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    block_size: int
