@@ -78,7 +78,7 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
     """
     from aserve.model_source import resolve_model
 
-    # TODO(config split): args.validate() here, before any model work
+    args.validate()  # before any model work: a bad flag is reported at once
     start = time.perf_counter()
     model_path = resolve_model(args.model, args.revision, args.download_dir, args.load_format)
     tokenizer_path = args.tokenizer
