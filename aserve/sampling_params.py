@@ -28,7 +28,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024  # entries in `logit_bias`
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's)
 MAX_REPETITION_PENALTY = 100.0  # logits * 100 stays finite even in fp16
-FLOAT32_MAX = 3.4028234663852886e38  # temperature's cap: the runner holds it in float32
+MAX_TEMPERATURE = 100.0  # far past uniform sampling; keeps logits / temperature well scaled
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body (checked by the HTTP layer)
 # Seeds: any int64, as vLLM (torch.long). The runner derives seed + sample index and seed + tokens
 # generated so far, which stays inside what torch's manual_seed takes ([-2^63, 2^64)).
@@ -148,7 +148,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_float(self.presence_penalty, "presence_penalty", *PENALTY_RANGE)
         check_float(self.frequency_penalty, "frequency_penalty", *PENALTY_RANGE)
         check_float(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, open_low=True)
-        check_float(self.temperature, "temperature", 0.0, FLOAT32_MAX)
+        check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
         check_float(self.top_p, "top_p", 0.0, 1.0, open_low=True)
         _check(_is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k <= INT64_MAX), "top_k",
                f"must be -1 or 0 (disable) or a positive int64, got {show(self.top_k)}")

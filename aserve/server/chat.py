@@ -126,6 +126,7 @@ async def create_chat_completion(request: Request) -> Response:
     include_usage, continuous_usage = check_stream_options(req)
     top_logprobs = _top_logprobs(req)
     conversation = to_conversation(req.messages)
+    state.check_text_length(sum(len(m["content"]) for m in conversation if isinstance(m["content"], str)), "messages")
     prompt, prompt_ids = await state.run_blocking(
         state.renderer.render_and_tokenize,
         conversation,

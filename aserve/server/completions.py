@@ -116,8 +116,10 @@ async def create_completion(request: Request) -> Response:
     _reject_unsupported(req)
     include_usage, continuous_usage = check_stream_options(req)
     raw_prompts = normalize_prompts(req.prompt)
-    if any(isinstance(p, str) for p in raw_prompts):
-        state.require_tokenizer("prompt")
+    for i, p in enumerate(raw_prompts):
+        if isinstance(p, str):
+            state.require_tokenizer("prompt")
+            state.check_text_length(len(p), f"prompt[{i}]" if len(raw_prompts) > 1 else "prompt")
     tokenized = await state.run_blocking(_tokenize_all, state.tokenizer, raw_prompts, req.add_special_tokens)
     stream = bool(req.stream)
     echo = bool(req.echo)

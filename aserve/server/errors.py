@@ -81,7 +81,8 @@ _MISSING_RE = re.compile(r"missing required field `(?P<name>[^`]+)`")
 
 
 def _param_from_path(path: str) -> str | None:
-    path = path.lstrip(".")
+    """"$.messages[0].content" -> "messages[0].content"; a dict value ("$.logit_bias[...]") names the dict."""
+    path = path.replace("[...]", "").lstrip(".")
     return path or None
 
 
@@ -118,7 +119,7 @@ def sampling_errors_as_400(fields: Mapping[str, str] | None = None) -> Iterator[
 
 
 class _BadValue(Exception):
-    def __init__(self, key: str):
+    def __init__(self, key: str | None):
         self.key = key
 
 
@@ -137,8 +138,10 @@ def _is_bad(value: Any) -> bool:
 
 def _check_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     for key, value in pairs:
-        if _is_bad(key) or _is_bad(value):
-            raise _BadValue(key.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+        if _is_bad(key):
+            raise _BadValue(None)  # a key that is not text names no field
+        if _is_bad(value):
+            raise _BadValue(key)
     return dict(pairs)
 
 

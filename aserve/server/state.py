@@ -85,6 +85,7 @@ class ServerState:
     metrics: PrometheusStatLogger
     system_fingerprint: str
     version: str
+    max_prompt_chars: int | None = None
     draining: bool = False
     _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
@@ -102,6 +103,10 @@ class ServerState:
             )
         else:
             logger.info("chat template: %s", template.source)
+        max_prompt_chars = None
+        if tokenizer is not None:  # no token is longer than this many characters
+            max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+            max_prompt_chars = model_config.max_model_len * max(max_token_chars, 1)
         version = package_version()
         digest = hashlib.sha256(
             f"{version}|{model_config.model_path}|{model_config.dtype}".encode()
@@ -115,6 +120,7 @@ class ServerState:
             metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
+            max_prompt_chars=max_prompt_chars,
         )
 
     @property
@@ -163,6 +169,18 @@ class ServerState:
             raise APIError(
                 503, f"the engine cannot take requests: {exc}", code="engine_unavailable"
             ) from None
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit in the context: more characters than
+        max_model_len tokens of the vocabulary's longest token (saves tokenizing megabytes for a 400)."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{param}: this model's maximum context length is {self.max_model_len} tokens, and "
+                f"{num_chars} characters cannot fit in it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def require_tokenizer(self, param: str) -> None:
         """A 400 naming `param` when the server runs without a tokenizer (--skip-tokenizer-init)."""
