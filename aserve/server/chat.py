@@ -14,7 +14,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aserve.outputs import RequestOutput
-from aserve.server.errors import bad_request, decode_body, engine_failure, sampling_errors_as_400, unsupported
+from aserve.server.errors import (
+    bad_request,
+    decode_body,
+    engine_failure,
+    sampling_errors_as_400,
+    unsupported,
+)
 from aserve.server.params import (
     build_sampling_params,
     chat_logprobs,
@@ -126,7 +132,8 @@ async def create_chat_completion(request: Request) -> Response:
     include_usage, continuous_usage = check_stream_options(req)
     top_logprobs = _top_logprobs(req)
     conversation = to_conversation(req.messages)
-    state.check_text_length(sum(len(m["content"]) for m in conversation if isinstance(m["content"], str)), "messages")
+    num_chars = sum(len(m["content"]) for m in conversation if isinstance(m["content"], str))
+    state.check_text_length(num_chars, "messages")
     prompt, prompt_ids = await state.run_blocking(
         state.renderer.render_and_tokenize,
         conversation,
@@ -140,7 +147,9 @@ async def create_chat_completion(request: Request) -> Response:
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     defaults = state.generation_defaults
     if requested is None:
-        requested = default_max_tokens(defaults, len(prompt_ids), req.truncate_prompt_tokens, state.max_model_len)
+        requested = default_max_tokens(
+            defaults, len(prompt_ids), req.truncate_prompt_tokens, state.max_model_len
+        )
     stream = bool(req.stream)
     fields = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens_param}
     with sampling_errors_as_400(fields):

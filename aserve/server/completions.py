@@ -16,7 +16,13 @@ from starlette.responses import Response
 
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import MAX_PROMPTS
-from aserve.server.errors import bad_request, decode_body, engine_failure, sampling_errors_as_400, unsupported
+from aserve.server.errors import (
+    bad_request,
+    decode_body,
+    engine_failure,
+    sampling_errors_as_400,
+    unsupported,
+)
 from aserve.server.params import (
     append_completion_logprobs,
     build_sampling_params,
@@ -103,10 +109,14 @@ def _reject_unsupported(req: CompletionRequest) -> None:
         raise unsupported("prompt_logprobs", "not available when streaming")
 
 
-def _tokenize_all(tokenizer: Any, prompts: list[str | list[Any]], add_special_tokens: bool) -> list[list[Any]]:
+def _tokenize_all(
+    tokenizer: Any, prompts: list[str | list[Any]], add_special_tokens: bool
+) -> list[list[Any]]:
     """Token ids of each prompt (text prompts encoded; token-id prompts as given, checked at intake)."""
-    return [tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
-            for p in prompts]
+    return [
+        tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+        for p in prompts
+    ]
 
 
 async def create_completion(request: Request) -> Response:
@@ -116,10 +126,11 @@ async def create_completion(request: Request) -> Response:
     _reject_unsupported(req)
     include_usage, continuous_usage = check_stream_options(req)
     raw_prompts = normalize_prompts(req.prompt)
+    batched = isinstance(req.prompt, list) and raw_prompts[0] is not req.prompt  # a list of prompts
     for i, p in enumerate(raw_prompts):
         if isinstance(p, str):
             state.require_tokenizer("prompt")
-            state.check_text_length(len(p), f"prompt[{i}]" if len(raw_prompts) > 1 else "prompt")
+            state.check_text_length(len(p), f"prompt[{i}]" if batched else "prompt")
     tokenized = await state.run_blocking(_tokenize_all, state.tokenizer, raw_prompts, req.add_special_tokens)
     stream = bool(req.stream)
     echo = bool(req.echo)
@@ -140,7 +151,6 @@ async def create_completion(request: Request) -> Response:
         )
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    batched = isinstance(req.prompt, list) and raw_prompts[0] is not req.prompt  # a list of prompts
     prompts: list[_Prompt] = []
     try:
         for i, (raw, ids) in enumerate(zip(raw_prompts, tokenized, strict=True)):
