@@ -23,7 +23,12 @@ import msgspec
 
 from aserve.config import AserveConfig
 from aserve.core.request import Request
-from aserve.sampling_params import SamplingParams, SamplingParamsError, check_token_ids, show
+from aserve.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError, check_token_ids, show
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed: seed + index, wrapped into int64 as torch wraps seeds (mod 2^64)."""
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def _fail(field: str, message: str, code: str = "invalid_value") -> None:
@@ -123,7 +128,7 @@ class InputProcessor:
             if num > 1:
                 changes.update(n=1, best_of=None)
                 if params.seed is not None:
-                    changes["seed"] = params.seed + i
+                    changes["seed"] = _derived_seed(params.seed, i)
             if needs_logprobs:
                 changes["logprobs"] = 0
             child = msgspec.structs.replace(params, **changes) if changes else params

@@ -126,6 +126,12 @@ def test_samples_fan_out_with_derived_seeds_and_shared_prompt(intake):
     assert [r.wait_for_req_id for r in requests] == [None, "r#0", "r#0"]
 
 
+def test_derived_seeds_stay_in_int64(intake):
+    top = SamplingParams(n=3, seed=2**63 - 1, max_tokens=1)
+    requests = intake.make_requests(["a", "b", "c"], [1], top, arrival_time=0.0, priority=0)
+    assert [r.sampling_params.seed for r in requests] == [2**63 - 1, -(2**63), -(2**63) + 1]
+
+
 def test_one_sample_keeps_its_params(intake):
     params = SamplingParams(seed=7, max_tokens=4)
     (request,) = intake.make_requests(["r"], [1, 2], params, arrival_time=0.0, priority=0)

@@ -161,6 +161,8 @@ def test_non_utf8_and_context_errors_have_their_codes(server):
 # (id, route, field, body at the cap, body one past it): the first is a 200, the second a 400 naming `field`.
 CAPS: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]] = [
     ("n", COMPLETIONS, "n", _completion(n=MAX_N), _completion(n=MAX_N + 1)),
+    ("seed-max", COMPLETIONS, "seed", _completion(n=2, seed=2**63 - 1, max_tokens=3), _completion(seed=2**63)),
+    ("seed-min", CHAT, "seed", _chat(n=2, seed=-(2**63), max_tokens=3), _chat(seed=-(2**63) - 1)),
     ("best_of", COMPLETIONS, "best_of", _completion(best_of=MAX_N), _completion(best_of=MAX_N + 1)),
     ("stop-count", COMPLETIONS, "stop", _completion(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]),
      _completion(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])),
