@@ -1,13 +1,37 @@
-"""SamplingParams: vLLM's names and defaults, validated once at intake (errors name the field)."""
+"""SamplingParams: vLLM's names and defaults, validated once at intake (errors name the field).
+
+This module also holds the request limits (`MAX_*`): every cap a request is checked against is
+defined here, once, and listed in the README's "Request limits" table. Field-level checks live in
+`SamplingParams.validate`; the checks that need the model (vocabulary, `max_model_len`,
+`--max-logprobs`, the prompt) live in `aserve.engine.input_processor`.
+"""
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 from typing import Any, Callable
 
 import msgspec
 
 _SAMPLING_EPS = 1e-5
+
+# -- request limits (the README's "Request limits" table lists each one) ----------------------------
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_N = 128  # n and best_of: samples per request (OpenAI's limit for n)
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (a list of strings or of token-id lists)
+MAX_STOP_STRINGS = 64  # entries in `stop`
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024  # entries in `stop_token_ids`
+MAX_LOGIT_BIAS_ENTRIES = 1024  # entries in `logit_bias`
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's)
+MAX_REPETITION_PENALTY = 100.0  # logits * 100 stays finite even in fp16
+MAX_TEMPERATURE = 100.0  # far past uniform sampling; keeps logits / temperature well scaled
+MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body (checked by the HTTP layer)
+# Seeds: any int64, as vLLM (torch.long). The runner derives seed + sample index and seed + tokens
+# generated so far, which stays inside what torch's manual_seed takes ([-2^63, 2^64)).
 
 
 class RequestOutputKind(IntEnum):
@@ -17,11 +41,15 @@ class RequestOutputKind(IntEnum):
 
 
 class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; `field` names it (the server maps this to a 400 with `param`)."""
+    """An invalid request parameter. `field` names it in SamplingParams' terms ("prompt" for the
+    prompt); `code` is OpenAI's error code ("invalid_value", or "context_length_exceeded").
+    The server maps `field` to the OpenAI request's field name and answers 400."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, code: str = "invalid_value"):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+        self.code = code
 
 
 def _check(ok: bool, field: str, message: str) -> None:
@@ -29,11 +57,47 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise SamplingParamsError(field, message)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def show(value: Any) -> str:
+    """`value` for an error message, short even for a huge integer or a long string."""
+    if _is_int(value) and abs(value) > INT64_MAX:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_int(value: Any, field: str, low: int, high: int) -> None:
+    """`value` is an int (not a bool) in [low, high]; SamplingParamsError naming `field` otherwise."""
+    _check(_is_int(value), field, f"must be an integer, got {type(value).__name__}")
+    _check(low <= value <= high, field, f"must be in [{low}, {high}], got {show(value)}")
+
+
+def check_float(value: Any, field: str, low: float, high: float, *, open_low: bool = False) -> None:
+    """`value` is a finite number in [low, high] ((low, high] with `open_low`)."""
+    _check(_is_int(value) or isinstance(value, float), field, f"must be a number, got {type(value).__name__}")
+    number = value if isinstance(value, float) or abs(value) <= INT64_MAX else math.inf  # no OverflowError
+    _check(math.isfinite(number), field, f"must be a finite number, got {show(value)}")
+    ok = (low < number if open_low else low <= number) and number <= high
+    _check(ok, field, f"must be in {'(' if open_low else '['}{low}, {high}], got {show(value)}")
+
+
+def check_token_ids(ids: Any, field: str, max_count: int) -> None:
+    """A list of at most `max_count` non-negative int64 token ids (the vocabulary is checked at intake)."""
+    _check(isinstance(ids, list), field, "must be a list of token ids")
+    _check(len(ids) <= max_count, field, f"must have at most {max_count} entries, got {len(ids)}")
+    for t in ids:
+        check_int(t, field, 0, INT64_MAX)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to sample one request. Mirrors vLLM's `SamplingParams`.
 
-    `logits_processors` are callables `f(output_token_ids, logits) -> logits` or
-    `f(prompt_token_ids, output_token_ids, logits) -> logits`; they only work with the in-process
+    Construction validates every field on its own (`validate`) and raises `SamplingParamsError`
+    naming the first bad one. `logits_processors` are callables `f(output_token_ids, logits) -> logits`
+    or `f(prompt_token_ids, output_token_ids, logits) -> logits`; they only work with the in-process
     (`uni`) executor, since callables cannot cross a process boundary.
     """
 
@@ -67,64 +131,78 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.validate()
         if self.top_k == 0:
             self.top_k = -1  # 0 means "disabled", as in vLLM / OpenAI clients
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        self.validate()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the filters have no effect, keep them neutral so the sampler can batch.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
     def validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        """Every field on its own: types, ranges, finiteness, the count caps (`MAX_*`)."""
+        check_int(self.n, "n", 1, MAX_N)
         if self.best_of is not None:
-            _check(self.best_of >= self.n, "best_of", f"must be >= n ({self.n}), got {self.best_of}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be greater than zero, got {self.repetition_penalty}")
-        _check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (disable) or at least 1, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-               f"must be at least 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+            check_int(self.best_of, "best_of", self.n, MAX_N)
+        check_float(self.presence_penalty, "presence_penalty", *PENALTY_RANGE)
+        check_float(self.frequency_penalty, "frequency_penalty", *PENALTY_RANGE)
+        check_float(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, open_low=True)
+        check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        check_float(self.top_p, "top_p", 0.0, 1.0, open_low=True)
+        _check(_is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k <= INT64_MAX), "top_k",
+               f"must be -1 or 0 (disable) or a positive int64, got {show(self.top_k)}")
+        check_float(self.min_p, "min_p", 0.0, 1.0)
+        if self.seed is not None:
+            check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens",
-                   f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", f"must be non-negative, got {self.logprobs}")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-               f"must be non-negative, got {self.prompt_logprobs}")
-        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
-               f"must be >= 1, got {self.truncate_prompt_tokens}")
-        if self.stop is not None:
-            _check(all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings")
-            _check(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings")
-            _check(self.detokenize, "stop", "stop strings need detokenize=True")
+            check_int(self.max_tokens, "max_tokens", 1, INT64_MAX)
+        check_int(self.min_tokens, "min_tokens", 0, INT64_MAX if self.max_tokens is None else self.max_tokens)
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None:
+                check_int(value, name, 0, INT64_MAX)
+        if self.truncate_prompt_tokens is not None:
+            check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", 1, INT64_MAX)
+        self._validate_stop()
         if self.stop_token_ids is not None:
-            _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                   "must be a list of non-negative integers")
+            check_token_ids(self.stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
         if self.allowed_token_ids is not None:
-            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty")
-        if self.logit_bias is not None:
-            for v in self.logit_bias.values():
-                _check(-100.0 <= v <= 100.0, "logit_bias", f"values must be in [-100, 100], got {v}")
+            # The length cap (the vocabulary size) needs the model: checked at intake.
+            _check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0,
+                   "allowed_token_ids", "must be a non-empty list of token ids")
+        self._validate_logit_bias()
         if self.logits_processors is not None:
             _check(all(callable(f) for f in self.logits_processors), "logits_processors", "must be callables")
 
-    def validate_for_model(self, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the model: token ids in range, logprob counts within `max_logprobs`."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
-                          ("logit_bias", list(self.logit_bias or ()))):
-            bad = [t for t in ids or () if not 0 <= t < vocab_size]
-            _check(not bad, name, f"token id(s) {bad[:5]} out of range [0, {vocab_size})")
-        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            _check(value is None or value <= max_logprobs, name,
-                   f"requested {value} but at most {max_logprobs} are allowed (--max-logprobs)")
+    def _validate_stop(self) -> None:
+        if self.stop is None:
+            return
+        _check(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop",
+               "must be a string or a list of strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+               f"must have at most {MAX_STOP_STRINGS} entries, got {len(self.stop)}")
+        _check(all(len(s) > 0 for s in self.stop), "stop", "must not contain empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(longest <= MAX_STOP_STRING_CHARS, "stop",
+               f"each stop string must have at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
+        _check(self.detokenize, "stop", "stop strings need detokenize=True")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        _check(isinstance(bias, dict), "logit_bias", "must map token ids to biases")
+        _check(len(bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+               f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        for key, value in bias.items():
+            token_id = key
+            if isinstance(key, str):  # JSON object keys are strings
+                digits = key[1:] if key.startswith("-") else key
+                _check(0 < len(digits) <= 20 and digits.isascii() and digits.isdigit(), "logit_bias",
+                       f"keys must be token ids (integers), got {key[:30]!r}")
+                token_id = int(key)
+            check_int(token_id, "logit_bias", 0, INT64_MAX)
+            check_float(value, "logit_bias", *LOGIT_BIAS_RANGE)
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -137,10 +215,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
-
-    def for_runner(self) -> SamplingParams:
-        """A copy without callables, safe to encode with msgpack for a worker process."""
-        return msgspec.structs.replace(self, logits_processors=None)
 
 
 LogitsProcessor = Callable[..., Any]

@@ -14,13 +14,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aserve.outputs import RequestOutput
-from aserve.server.errors import bad_request, decode_body, engine_failure, unsupported
+from aserve.server.errors import (
+    bad_request,
+    decode_body,
+    engine_failure,
+    sampling_errors_as_400,
+    unsupported,
+)
 from aserve.server.params import (
     build_sampling_params,
     chat_logprobs,
     check_stream_options,
-    resolve_max_tokens,
-    truncate_prompt,
+    default_max_tokens,
     usage,
 )
 from aserve.server.protocol import (
@@ -32,14 +37,27 @@ from aserve.server.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    ContentPart,
     DeltaMessage,
+    TextPart,
 )
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
 from aserve.server.state import ServerState, get_state, logger
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
-_MAX_TOP_LOGPROBS = 20
+
+
+def _message_text(i: int, content: list[ContentPart]) -> str:
+    """The text parts of a message joined with newlines; any other modality is a 400."""
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, TextPart):
+            kind = type(part).__struct_config__.tag
+            raise unsupported(f"messages[{i}].content[{j}].type",
+                              f"only text content parts are served, got type {kind!r}")
+        texts.append(part.text)
+    return "\n".join(texts)
 
 
 def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -48,28 +66,19 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         raise bad_request("must contain at least one message", param="messages")
     conversation: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
+        for name in ("audio", "function_call"):  # what an echoed assistant message may carry
+            if getattr(message, name):
+                raise unsupported(f"messages[{i}].{name}", "use `content` (and `tool_calls`) instead")
         content = message.content
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text":
-                    raise unsupported(
-                        f"messages[{i}].content[{j}].type",
-                        f"only text content parts are served, got {part.type!r}",
-                    )
-                if part.text is None:
-                    raise bad_request("a text part needs `text`", param=f"messages[{i}].content[{j}].text")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = _message_text(i, content)
         if content is None and not message.tool_calls:
             content = ""
         entry: dict[str, Any] = {"role": message.role, "content": content}
-        if message.name is not None:
-            entry["name"] = message.name
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        if message.tool_calls:
-            entry["tool_calls"] = message.tool_calls
+        for name in ("name", "tool_call_id", "tool_calls", "reasoning_content", "refusal"):
+            value = getattr(message, name)
+            if value:
+                entry[name] = value
         conversation.append(entry)
     return conversation
 
@@ -88,14 +97,10 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
 
 
 def _top_logprobs(req: ChatCompletionRequest) -> int | None:
-    """The number of candidates per position to return, or None without logprobs."""
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:
-            raise bad_request(
-                f"must be in [0, {_MAX_TOP_LOGPROBS}], got {req.top_logprobs}", param="top_logprobs"
-            )
+    """The number of candidates per position to return, or None without logprobs (the range,
+    up to --max-logprobs, is checked at intake as SamplingParams.logprobs)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if not req.logprobs:
         return None
     return req.top_logprobs or 0
@@ -122,10 +127,13 @@ async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     req = decode_body(await request.body(), _decoder)
     model = state.check_model(req.model)
+    state.require_tokenizer("messages")
     _reject_unsupported(req)
     include_usage, continuous_usage = check_stream_options(req)
     top_logprobs = _top_logprobs(req)
     conversation = to_conversation(req.messages)
+    num_chars = sum(len(m["content"]) for m in conversation if isinstance(m["content"], str))
+    state.check_text_length(num_chars, "messages")
     prompt, prompt_ids = await state.run_blocking(
         state.renderer.render_and_tokenize,
         conversation,
@@ -135,31 +143,28 @@ async def create_chat_completion(request: Request) -> Response:
         chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs,
     )
-    kept = truncate_prompt(prompt_ids, req.truncate_prompt_tokens)
-    if len(kept) < len(prompt_ids):  # the rendered text no longer matches the ids the model sees
-        prompt, prompt_ids = None, kept
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     defaults = state.generation_defaults
-    max_tokens = resolve_max_tokens(
-        requested,
-        len(prompt_ids),
-        state.max_model_len,
-        "messages",
-        max_tokens_param,
-        default=defaults.get("max_tokens"),
-    )
+    if requested is None:
+        requested = default_max_tokens(
+            defaults, len(prompt_ids), req.truncate_prompt_tokens, state.max_model_len
+        )
     stream = bool(req.stream)
-    params = build_sampling_params(
-        req, max_tokens=max_tokens, logprobs=top_logprobs, stream=stream, defaults=defaults
-    )
+    fields = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens_param}
+    with sampling_errors_as_400(fields):
+        params = build_sampling_params(
+            req, max_tokens=requested, logprobs=top_logprobs, stream=stream, defaults=defaults
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = state.add_request(request_id, prompt, prompt_ids, params, req.priority)
+    if len(outputs.prompt_token_ids) < len(prompt_ids):  # truncated: the rendered text no longer matches
+        prompt_ids = outputs.prompt_token_ids
 
     role = state.args.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo_text = ""
     if req.echo and conversation[-1]["role"] == role and isinstance(conversation[-1]["content"], str):
         echo_text = conversation[-1]["content"]
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    outputs = state.add_request(request_id, prompt, prompt_ids, params, req.priority, prompt_param="messages")
     job = _ChatJob(
         state,
         request_id,

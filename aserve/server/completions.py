@@ -15,14 +15,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aserve.outputs import RequestOutput
-from aserve.server.errors import bad_request, decode_body, engine_failure, unsupported
+from aserve.sampling_params import MAX_PROMPTS
+from aserve.server.errors import (
+    bad_request,
+    decode_body,
+    engine_failure,
+    sampling_errors_as_400,
+    unsupported,
+)
 from aserve.server.params import (
     append_completion_logprobs,
     build_sampling_params,
     check_stream_options,
     prompt_logprobs_dicts,
-    resolve_max_tokens,
-    truncate_prompt,
     usage,
 )
 from aserve.server.protocol import (
@@ -39,27 +44,28 @@ _decoder = msgspec.json.Decoder(CompletionRequest)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
-def normalize_prompts(prompt: str | list[Any], vocab_size: int) -> list[str | list[int]]:
-    """The request's prompt(s) as a list of strings and token-id lists; malformed shapes are a 400."""
+def normalize_prompts(prompt: str | list[Any]) -> list[str | list[Any]]:
+    """The request's prompt(s) as a list of strings and token-id lists; a malformed shape (or more than
+    MAX_PROMPTS prompts) is a 400. Token-id values are checked at intake, against the vocabulary."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise bad_request("must not be empty", param="prompt")
 
-    def check_ids(ids: list[Any], where: str) -> list[int]:
-        if not ids:
-            raise bad_request("a token-id prompt must not be empty", param=where)
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-        if bad:
-            raise bad_request(f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}", param=where)
-        return ids
+    def is_id(t: Any) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
 
+    if all(is_id(p) for p in prompt):
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"must hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return [check_ids(prompt, "prompt")]
     if all(isinstance(p, list) for p in prompt):
-        return [check_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        for i, ids in enumerate(prompt):
+            if not all(is_id(t) for t in ids):
+                raise bad_request("a token-id prompt must be a list of integers", param=f"prompt[{i}]")
+        return list(prompt)
     raise bad_request(f"must be {_PROMPT_SHAPES}", param="prompt")
 
 
@@ -69,7 +75,7 @@ class _Prompt:
     request_id: str
     text: str  # as given, or decoded from the given token ids (for echo)
     token_ids: list[int]
-    outputs: AsyncIterator[RequestOutput] | None = None
+    outputs: AsyncIterator[RequestOutput]
     finished: bool = False
 
 
@@ -104,15 +110,13 @@ def _reject_unsupported(req: CompletionRequest) -> None:
 
 
 def _tokenize_all(
-    tokenizer: Any, prompts: list[str | list[int]], add_special_tokens: bool
-) -> list[tuple[str, list[int]]]:
-    out = []
-    for p in prompts:
-        if isinstance(p, str):
-            out.append((p, tokenizer.encode(p, add_special_tokens=add_special_tokens)))
-        else:
-            out.append((tokenizer.decode(p), list(p)))
-    return out
+    tokenizer: Any, prompts: list[str | list[Any]], add_special_tokens: bool
+) -> list[list[Any]]:
+    """Token ids of each prompt (text prompts encoded; token-id prompts as given, checked at intake)."""
+    return [
+        tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p
+        for p in prompts
+    ]
 
 
 async def create_completion(request: Request) -> Response:
@@ -121,44 +125,46 @@ async def create_completion(request: Request) -> Response:
     model = state.check_model(req.model)
     _reject_unsupported(req)
     include_usage, continuous_usage = check_stream_options(req)
-    raw_prompts = normalize_prompts(req.prompt, state.model_config.arch.vocab_size)
+    raw_prompts = normalize_prompts(req.prompt)
+    batched = isinstance(req.prompt, list) and raw_prompts[0] is not req.prompt  # a list of prompts
+    for i, p in enumerate(raw_prompts):
+        if isinstance(p, str):
+            state.require_tokenizer("prompt")
+            state.check_text_length(len(p), f"prompt[{i}]" if batched else "prompt")
     tokenized = await state.run_blocking(_tokenize_all, state.tokenizer, raw_prompts, req.add_special_tokens)
     stream = bool(req.stream)
     echo = bool(req.echo)
     prompt_logprobs = req.prompt_logprobs
     if echo and req.logprobs is not None:
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    # Intake names SamplingParams' fields; these are the request's names for them.
+    fields = {"prompt_logprobs": "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"}
+    with sampling_errors_as_400(fields):
+        params = build_sampling_params(
+            req,
+            max_tokens=req.max_tokens,
+            logprobs=req.logprobs,
+            stream=stream,
+            best_of=req.best_of,
+            prompt_logprobs=prompt_logprobs,
+            defaults=state.generation_defaults,
+        )
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts: list[_Prompt] = []
     try:
-        for i, (raw, (text, ids)) in enumerate(zip(raw_prompts, tokenized, strict=True)):
-            param = "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]"
-            if not ids:
-                raise bad_request("the prompt is empty after tokenization", param=param)
-            kept = truncate_prompt(ids, req.truncate_prompt_tokens)
-            if len(kept) < len(ids):  # the text no longer matches: echo what the model saw
-                raw, text, ids = kept, await state.run_blocking(state.tokenizer.decode, kept), kept
-            max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len, param)
-            params = build_sampling_params(
-                req,
-                max_tokens=max_tokens,
-                logprobs=req.logprobs,
-                stream=stream,
-                best_of=req.best_of,
-                prompt_logprobs=prompt_logprobs,
-                defaults=state.generation_defaults,
-            )
-            entry = _Prompt(i, f"{request_id}-{i}", text, ids)
-            entry.outputs = state.add_request(
-                entry.request_id,
-                text if isinstance(raw, str) else None,
-                ids,
-                params,
-                req.priority,
-                prompt_param=param,
-            )
-            prompts.append(entry)
+        for i, (raw, ids) in enumerate(zip(raw_prompts, tokenized, strict=True)):
+            param = f"prompt[{i}]" if batched else "prompt"
+            entry_id = f"{request_id}-{i}"
+            with sampling_errors_as_400({**fields, "prompt": param}):
+                outputs = state.add_request(
+                    entry_id, raw if isinstance(raw, str) else None, ids, params, req.priority
+                )
+            kept = outputs.prompt_token_ids
+            text = raw if isinstance(raw, str) and len(kept) == len(ids) else ""
+            if echo and not text and state.tokenizer is not None:  # echo what the model saw
+                text = await state.run_blocking(state.tokenizer.decode, kept)
+            prompts.append(_Prompt(i, entry_id, text, kept, outputs))
     except BaseException:
         for p in prompts:
             await state.abort(p.request_id)
@@ -199,7 +205,6 @@ class _Sample:
 async def _collect_prompt(p: _Prompt) -> tuple[dict[int, _Sample], Any]:
     samples: dict[int, _Sample] = {}
     prompt_positions = None
-    assert p.outputs is not None
     async for out in p.outputs:
         if prompt_positions is None and out.prompt_logprobs is not None:
             prompt_positions = out.prompt_logprobs
@@ -236,10 +241,8 @@ async def _collect(job: _CompletionJob) -> CompletionResponse:
     choices: list[CompletionChoice] = []
     num_completion = 0
     for p, (samples, prompt_positions) in zip(job.prompts, results, strict=True):
-        indices = sorted(samples)
-        if len(indices) > job.n:  # best_of surplus: keep the n most likely
-            indices = sorted(sorted(indices, key=lambda i: -(samples[i].cumulative_logprob or 0.0))[: job.n])
-        for k, i in enumerate(indices):
+        # The engine returns the n best of best_of samples, indexed 0..n-1.
+        for k, i in enumerate(sorted(samples)):
             s = samples[i]
             num_completion += len(s.token_ids)
             prefix = p.text if job.echo else ""
@@ -295,7 +298,6 @@ def _echo_chunks(job: _CompletionJob, p: _Prompt, prompt_positions: Any) -> list
 async def _stream_prompt(job: _CompletionJob, p: _Prompt, emit: Emit) -> None:
     state = job.state
     echoed = not job.echo
-    assert p.outputs is not None
     async for out in p.outputs:
         events = []
         if not echoed:  # wait for the first output: it carries the prompt logprobs

@@ -6,14 +6,17 @@ and routing errors) into a JSON response. A client's mistake is always a 4xx, ne
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.responses import Response
 
-from aserve.sampling_params import SamplingParamsError
+from aserve.sampling_params import MAX_JSON_DEPTH, SamplingParamsError
 from aserve.server.protocol import ErrorInfo, ErrorResponse, encoder
 
 T = TypeVar("T")
@@ -78,7 +81,8 @@ _MISSING_RE = re.compile(r"missing required field `(?P<name>[^`]+)`")
 
 
 def _param_from_path(path: str) -> str | None:
-    path = path.lstrip(".")
+    """"$.messages[0].content" -> "messages[0].content"; a dict value ("$.logit_bias[...]") names the dict."""
+    path = path.replace("[...]", "").lstrip(".")
     return path or None
 
 
@@ -98,20 +102,114 @@ def from_validation_error(exc: msgspec.ValidationError) -> APIError:
     return APIError(400, text, param=param, code="invalid_type")
 
 
-def from_sampling_error(exc: SamplingParamsError) -> APIError:
-    return APIError(400, str(exc), param=exc.field, code="invalid_value")
+def from_sampling_error(exc: SamplingParamsError, fields: Mapping[str, str] | None = None) -> APIError:
+    """A 400 for an intake error; `fields` maps SamplingParams' field names to the request's
+    (chat: "prompt" -> "messages", "logprobs" -> "top_logprobs", ...)."""
+    param = (fields or {}).get(exc.field, exc.field)
+    return APIError(400, f"{param}: {exc.message}", param=param, code=exc.code)
+
+
+@contextmanager
+def sampling_errors_as_400(fields: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Turns a SamplingParamsError raised inside the block into a 400 naming the request's field."""
+    try:
+        yield
+    except SamplingParamsError as exc:
+        raise from_sampling_error(exc, fields) from None
+
+
+class _BadValue(Exception):
+    def __init__(self, key: str | None):
+        self.key = key
+
+
+_NOT_A_NUMBER = object()  # stands for NaN / Infinity / -Infinity while locating the field
+
+
+def _is_bad(value: Any) -> bool:
+    if value is _NOT_A_NUMBER:
+        return True
+    if isinstance(value, str):
+        return any("\udc80" <= ch <= "\udcff" for ch in value)  # undecodable bytes (surrogateescape)
+    if isinstance(value, list):
+        return any(v is _NOT_A_NUMBER or (isinstance(v, str) and _is_bad(v)) for v in value)
+    return False
+
+
+def _check_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    for key, value in pairs:
+        if _is_bad(key):
+            raise _BadValue(None)  # a key that is not text names no field
+        if _is_bad(value):
+            raise _BadValue(key)
+    return dict(pairs)
+
+
+def _locate_bad_value(body: bytes) -> str | None:
+    """The key holding an undecodable string or a NaN/Infinity literal, or None (slow path: errors only)."""
+    text = body.decode("utf-8", "surrogateescape")
+    try:
+        json.loads(text, object_pairs_hook=_check_pairs, parse_constant=lambda _: _NOT_A_NUMBER)
+    except _BadValue as found:
+        return found.key
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
+def _too_deep(value: Any, limit: int) -> str | None:
+    """The top-level field whose value nests arrays/objects deeper than `limit` (the body is level 1)."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
+    while stack:
+        item, depth, field = stack.pop()
+        if isinstance(item, msgspec.Struct):
+            children: Iterable[tuple[str, Any]] = ((f, getattr(item, f)) for f in item.__struct_fields__)
+        elif isinstance(item, dict):
+            children = ((field, v) for v in item.values())
+        elif isinstance(item, list):
+            children = ((field, v) for v in item)
+        else:
+            continue
+        if depth > limit:
+            return field or None
+        for name, child in children:
+            if isinstance(child, list | dict | msgspec.Struct):
+                stack.append((child, depth + 1, field or name))
+    return None
+
+
+def _too_deep_error(param: str | None) -> APIError:
+    return APIError(400, f"the request nests arrays/objects deeper than {MAX_JSON_DEPTH} levels",
+                    param=param, code="too_deep")
 
 
 def decode_body(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
-    """Decode a request body; malformed JSON or a bad field is a 400."""
+    """Decode a request body; anything but a well-formed JSON object of the expected shape is a 400
+    (malformed or non-UTF-8 bytes, NaN/Infinity literals, wrong types, unknown fields, nesting deeper
+    than MAX_JSON_DEPTH)."""
     if not body:
         raise APIError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        return decoder.decode(body)
+        value = decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise from_validation_error(exc) from None
     except msgspec.DecodeError as exc:
+        param = _locate_bad_value(body)
+        if param is not None:
+            raise APIError(400, f"{param}: NaN and Infinity are not valid JSON numbers", param=param,
+                           code="invalid_json") from None
         raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+    except UnicodeDecodeError as exc:
+        param = _locate_bad_value(body)
+        where = f" (in `{param}`)" if param else ""
+        raise APIError(400, f"the request body is not valid UTF-8{where}: {exc.reason} at byte {exc.start}",
+                       param=param, code="invalid_encoding") from None
+    except RecursionError:
+        raise _too_deep_error(None) from None
+    deep = _too_deep(value, MAX_JSON_DEPTH)
+    if deep is not None:
+        raise _too_deep_error(deep)
+    return value
 
 
 def http_error(status: int, detail: str | None = None) -> APIError:

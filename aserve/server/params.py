@@ -1,4 +1,8 @@
-"""Request fields -> SamplingParams, context-length checks and logprob formatting (shared by handlers)."""
+"""Request fields -> SamplingParams, and logprob formatting (shared by handlers).
+
+Nothing here validates values: SamplingParams and the engine's intake do, raising
+SamplingParamsError; the handlers map its field to the request's (`errors.sampling_errors_as_400`).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aserve.outputs import Logprob
-from aserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from aserve.server.errors import APIError, bad_request, from_sampling_error
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.server.errors import bad_request
 from aserve.server.protocol import (
     ChatLogprobEntry,
     ChatTopLogprob,
@@ -16,79 +20,33 @@ from aserve.server.protocol import (
 )
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
-MAX_N = 128  # samples per request (OpenAI's limit for n); guards the engine against absurd fan-outs
 
 
-def resolve_max_tokens(
-    requested: int | None,
-    num_prompt_tokens: int,
-    max_model_len: int,
-    prompt_param: str,
-    max_tokens_param: str = "max_tokens",
-    default: int | None = None,
+def default_max_tokens(
+    defaults: dict[str, Any], num_prompt_tokens: int, truncate_prompt_tokens: Any, max_model_len: int
 ) -> int:
-    """`requested`, else `default`, else the rest of the context (capped by the context either way).
-
-    A prompt that leaves no room, or a requested length past the context, is a 400.
-    """
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the "
-            f"prompt.",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        room = max_model_len - num_prompt_tokens
-        return room if default is None else min(default, room)
-    if requested >= 1 and num_prompt_tokens + requested > max_model_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} in "
-            f"the completion). Please reduce the prompt or {max_tokens_param}.",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
-    return requested
-
-
-def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-    """Keep the last `truncate_prompt_tokens` tokens (vLLM's truncate_prompt_tokens)."""
-    if truncate_prompt_tokens is None:
-        return token_ids
-    if truncate_prompt_tokens < 1:
-        raise bad_request(f"must be >= 1, got {truncate_prompt_tokens}", param="truncate_prompt_tokens")
-    return token_ids[-truncate_prompt_tokens:]
-
-
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
-    if raw is None:
-        return None
-    out: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            out[int(key)] = float(value)
-        except ValueError:
-            raise bad_request(
-                f"keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
-            ) from None
-    return out
+    """max_tokens for a request that sets none: the room the prompt leaves in the context, or the
+    model's default (generation_config.json) if smaller. Validates nothing (a prompt that leaves no
+    room is refused at intake)."""
+    if isinstance(truncate_prompt_tokens, int) and truncate_prompt_tokens >= 1:
+        num_prompt_tokens = min(num_prompt_tokens, truncate_prompt_tokens)
+    room = max(1, max_model_len - num_prompt_tokens)
+    default = defaults.get("max_tokens")
+    return room if default is None else max(1, min(default, room))
 
 
 def build_sampling_params(
     req: Any,
     *,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     stream: bool,
     best_of: int | None = None,
     prompt_logprobs: int | None = None,
     defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams from a chat/completions request; invalid values are a 400 naming the field.
+    """SamplingParams from a chat/completions request. Raises SamplingParamsError naming the field
+    (the caller maps it to the request's field names).
 
     Fields the request leaves unset take the model's `defaults` (generation_config.json), then
     OpenAI's.
@@ -102,38 +60,31 @@ def build_sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    n = 1 if req.n is None else req.n
-    for name, value in (("n", n), ("best_of", best_of)):
-        if value is not None and value > MAX_N:
-            raise bad_request(f"must be at most {MAX_N}, got {value}", param=name)
-    try:
-        return SamplingParams(
-            n=n,
-            best_of=best_of,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", -1),
-            min_p=pick("min_p", 0.0),
-            seed=req.seed,
-            stop=stop or None,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=_logit_bias(req.logit_bias),
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        )
-    except SamplingParamsError as exc:
-        raise from_sampling_error(exc) from None
+    return SamplingParams(
+        n=1 if req.n is None else req.n,
+        best_of=best_of,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0),
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", -1),
+        min_p=pick("min_p", 0.0),
+        seed=req.seed,
+        stop=stop or None,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def check_stream_options(req: Any) -> tuple[bool, bool]:

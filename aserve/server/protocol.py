@@ -6,12 +6,17 @@ silently ignored. Response fields that OpenAI omits are `UNSET` (msgspec leaves 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
+from aserve.sampling_params import INT64_MAX, INT64_MIN
+
 # -- requests ---------------------------------------------------------------------------------------
+
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+"""An integer the engine passes on unchecked (priority); sampling fields are checked by SamplingParams."""
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -19,22 +24,80 @@ class StreamOptions(Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool | None = False
 
 
-class ContentPart(Struct):
-    """One part of a message's content; only `type == "text"` is served (others are a clear 400)."""
+class _Part(Struct, tag_field="type", forbid_unknown_fields=True):
+    """A content part; `type` picks the kind. Only text is served (others are a clear 400)."""
 
-    type: str
-    text: str | None = None
 
+class TextPart(_Part, tag="text"):
+    text: str
+
+
+class RefusalPart(_Part, tag="refusal"):
+    refusal: str
+
+
+class ImageURL(Struct, forbid_unknown_fields=True):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Part, tag="image_url"):
+    image_url: ImageURL
+
+
+class InputAudio(Struct, forbid_unknown_fields=True):
+    data: str
+    format: str
+
+
+class AudioPart(_Part, tag="input_audio"):
+    input_audio: InputAudio
+
+
+class FileRef(Struct, forbid_unknown_fields=True):
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(_Part, tag="file"):
+    file: FileRef
+
+
+class MediaURL(Struct, forbid_unknown_fields=True):
+    url: str
+
+
+class AudioURLPart(_Part, tag="audio_url"):  # vLLM's
+    audio_url: MediaURL
+
+
+class VideoURLPart(_Part, tag="video_url"):  # vLLM's
+    video_url: MediaURL
+
+
+ContentPart = TextPart | RefusalPart | ImagePart | AudioPart | FilePart | AudioURLPart | VideoURLPart
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class ChatMessage(Struct):
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    """A message as OpenAI's (and vLLM's) chat API accepts it; an unknown key is a 400 naming it.
+
+    `refusal`, `audio`, `function_call` and `annotations` are the fields an assistant message that
+    a client sends back carries; null or empty they mean nothing, otherwise chat refuses them.
+    """
+
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # vLLM's: handed to the chat template
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None
 
 
 class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -63,7 +126,7 @@ class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
-    priority: int = 0
+    priority: Int64 = 0
     echo: bool | None = False
 
 

@@ -19,15 +19,23 @@ import anyio
 
 from aserve.config import ModelConfig
 from aserve.outputs import RequestOutput
-from aserve.sampling_params import SamplingParams, SamplingParamsError
+from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
-from aserve.server.errors import APIError, from_sampling_error
+from aserve.server.errors import APIError
 from aserve.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger("aserve.server")
 
 T = TypeVar("T")
+
+
+class PromptStream(Protocol):
+    """What `add_request` returns: the request's outputs, and its prompt after truncation."""
+
+    prompt_token_ids: list[int]
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
 
 
 class EngineClient(Protocol):
@@ -43,7 +51,7 @@ class EngineClient(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> PromptStream: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -79,6 +87,7 @@ class ServerState:
     metrics: PrometheusStatLogger
     system_fingerprint: str
     version: str
+    max_prompt_chars: int | None = None
     draining: bool = False
     _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
@@ -86,14 +95,20 @@ class ServerState:
     def create(cls, engine: EngineClient, args: ServerArgs) -> ServerState:
         model_config = engine.model_config
         tokenizer = engine.tokenizer
-        template = resolve_chat_template(tokenizer, args.chat_template)
-        if template is None:
+        template = resolve_chat_template(tokenizer, args.chat_template) if tokenizer is not None else None
+        if tokenizer is None:
+            logger.info("no tokenizer (--skip-tokenizer-init): only token-id prompts on /v1/completions")
+        elif template is None:
             logger.warning(
                 "no chat template: the tokenizer has none, --chat-template is not set and no bundled "
                 "template fits; /v1/chat/completions will answer 400 until one is given"
             )
         else:
             logger.info("chat template: %s", template.source)
+        max_prompt_chars = None
+        if tokenizer is not None:  # no token is longer than this many characters
+            max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+            max_prompt_chars = model_config.max_model_len * max(max_token_chars, 1)
         version = package_version()
         digest = hashlib.sha256(
             f"{version}|{model_config.model_path}|{model_config.dtype}".encode()
@@ -107,6 +122,7 @@ class ServerState:
             metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
+            max_prompt_chars=max_prompt_chars,
         )
 
     @property
@@ -143,26 +159,41 @@ class ServerState:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,
-        prompt_param: str,
-    ) -> AsyncIterator[RequestOutput]:
-        """Hand a request to the engine; its validation errors become 400s naming the field."""
+    ) -> PromptStream:
+        """Hand a request to the engine. Raises SamplingParamsError (naming the field in
+        SamplingParams' terms: the handler maps it to a 400) or a 503 APIError if the engine is down."""
         if not self.engine.is_healthy():
             raise APIError(503, "the engine is not running", code="engine_dead")
         self.log_request(request_id, prompt, prompt_token_ids, params)
         try:
             return self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority)
-        except SamplingParamsError as exc:
-            if exc.field == "prompt":
-                raise APIError(400, str(exc), param=prompt_param, code="invalid_value") from None
-            raise from_sampling_error(exc) from None
-        except ValueError as exc:
-            text = str(exc)
-            param = "max_tokens" if "max_tokens" in text else prompt_param
-            raise APIError(400, text, param=param, code="invalid_value") from None
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
             raise APIError(
                 503, f"the engine cannot take requests: {exc}", code="engine_unavailable"
             ) from None
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text that cannot fit in the context: more characters than
+        max_model_len tokens of the vocabulary's longest token (saves tokenizing megabytes for a 400)."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{param}: this model's maximum context length is {self.max_model_len} tokens, and "
+                f"{num_chars} characters cannot fit in it",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def require_tokenizer(self, param: str) -> None:
+        """A 400 naming `param` when the server runs without a tokenizer (--skip-tokenizer-init)."""
+        if self.tokenizer is None:
+            raise APIError(
+                400,
+                f"{param}: this server runs with --skip-tokenizer-init, so it takes only token-id prompts "
+                "on /v1/completions",
+                param=param,
+                code="tokenizer_not_initialized",
+            )
 
     async def abort(self, request_id: str) -> None:
         """Abort a request, shielded so it completes even inside a cancelled scope."""
@@ -194,6 +225,9 @@ class ServerState:
         return dict(getattr(self.engine, "generation_defaults", None) or {})
 
     def decode_token(self, token_id: int) -> str:
+        """The token's text; without a tokenizer vLLM's `token_id:<id>` form."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
 

@@ -14,12 +14,14 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
 
 from aserve.config import ArchConfig, ModelConfig
+from aserve.engine.input_processor import InputProcessor
 from aserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from aserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
@@ -104,8 +106,9 @@ def make_model_config(
 
 
 class FakeRequestStream:
-    def __init__(self, receive: Any):
+    def __init__(self, receive: Any, prompt_token_ids: list[int]):
         self._receive = receive
+        self.prompt_token_ids = prompt_token_ids
 
     def __aiter__(self) -> FakeRequestStream:
         return self
@@ -234,19 +237,17 @@ class FakeAsyncEngine:
             raise EngineDeadError("engine is dead")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        params.validate_for_model(self.model_config.arch.vocab_size, self.model_config.max_logprobs)
-        max_len = self.model_config.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(
-                f"the prompt ({len(prompt_token_ids)} tokens) must be shorter than max_model_len ({max_len})"
-            )
+        # The real engine's intake checks (InputProcessor only reads these config fields).
+        config = SimpleNamespace(model=self.model_config, parallel=SimpleNamespace(distributed_executor_backend="uni"))
+        intake = InputProcessor(config, self.tokenizer, (0,))  # type: ignore[arg-type]
+        prompt_token_ids = intake.process_prompt(prompt, prompt_token_ids, params)
         send, receive = anyio.create_memory_object_stream(math.inf)
         samples = [_Sample(i, self._rng(prompt_token_ids, params, i)) for i in range(params.num_samples)]
         self.requests[request_id] = _Request(
             request_id, prompt, list(prompt_token_ids), params, send, samples, time.time()
         )
         self.added.append((request_id, list(prompt_token_ids), params, priority))
-        return FakeRequestStream(receive)
+        return FakeRequestStream(receive, list(prompt_token_ids))
 
     async def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
