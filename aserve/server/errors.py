@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import Response
 
+from aserve.outputs import RequestError
 from aserve.sampling_params import MAX_JSON_DEPTH, SamplingParamsError
 from aserve.server.protocol import ErrorInfo, ErrorResponse, encoder
 
@@ -218,8 +219,21 @@ def http_error(status: int, detail: str | None = None) -> APIError:
     return APIError(status, detail or phrase, code=phrase.lower().replace(" ", "_"))
 
 
+class RequestFailed(Exception):
+    """The engine failed this request alone (`RequestOutput.error`); everyone else carries on."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(error.message)
+        self.error = error
+
+
 def engine_failure(exc: BaseException) -> APIError:
-    """The engine failed while generating (it died, or a step raised): a 500, not the client's fault."""
+    """What a generation failure becomes: a request that failed alone is a 400 when its input was at
+    fault (else a 500 for it only); the engine itself failing (it died) is a 500."""
+    if isinstance(exc, RequestFailed):
+        if exc.error.bad_input:
+            return APIError(400, f"the request failed: {exc.error.message}", code="invalid_request")
+        return APIError(500, f"the request failed: {exc.error.message}", code="request_failed")
     return APIError(
         500, f"the engine failed while generating: {type(exc).__name__}: {exc}", code="engine_error"
     )

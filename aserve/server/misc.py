@@ -74,6 +74,7 @@ async def tokenize(request: Request) -> Response:
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
+    state.require_tokenizer("prompt" if req.prompt is not None else "messages")
     if req.messages is not None:
         conversation = to_conversation(req.messages)
         _, ids = await state.run_blocking(
@@ -100,6 +101,7 @@ async def detokenize(request: Request) -> Response:
     state = get_state(request)
     req = decode_body(await request.body(), _detokenize_decoder)
     state.check_model(req.model)
+    state.require_tokenizer("tokens")
     vocab_size = state.model_config.arch.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:

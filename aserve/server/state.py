@@ -22,7 +22,7 @@ from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
-from aserve.server.errors import APIError
+from aserve.server.errors import APIError, RequestFailed
 from aserve.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger("aserve.server")
@@ -36,6 +36,21 @@ class PromptStream(Protocol):
     prompt_token_ids: list[int]
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+
+class _RaisingOnError:
+    """The engine's stream, except that an output carrying `error` (the request failed alone) raises
+    RequestFailed: the handlers' failure paths turn it into a 400/500 or an SSE error event."""
+
+    def __init__(self, inner: PromptStream):
+        self._inner = inner
+        self.prompt_token_ids = inner.prompt_token_ids
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for out in self._inner:
+            if out.error is not None:
+                raise RequestFailed(out.error)
+            yield out
 
 
 class EngineClient(Protocol):
@@ -166,7 +181,7 @@ class ServerState:
             raise APIError(503, "the engine is not running", code="engine_dead")
         self.log_request(request_id, prompt, prompt_token_ids, params)
         try:
-            return self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority)
+            return _RaisingOnError(self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority))
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
             raise APIError(
                 503, f"the engine cannot take requests: {exc}", code="engine_unavailable"

@@ -56,3 +56,12 @@ def test_stop_strings_need_text(client):
     r = client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "stop": ["x"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "hello"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ("/detokenize", {"tokens": [5, 6]}, "tokens"),
+])
+def test_tokenize_and_detokenize_are_a_400(client, path, body, param):
+    _error(client.post(path, json=body), param)
