@@ -10,6 +10,7 @@ from aserve.config import EngineArgs
 from aserve.engine.llm_engine import LLMEngine
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.server.chat_template import ChatRenderer, load_flag_template, resolve_chat_template
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -35,6 +36,7 @@ class LLM:
     def _attach(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.llm_engine = engine  # vLLM's attribute name
+        self._renderer: ChatRenderer | None = None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -80,18 +82,28 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Applies the chat template to one conversation or a list of them, then generates."""
+        """Renders one conversation or a list of them with the chat template (the same sandboxed renderer as
+        the server; `chat_template` is a file or an inline template), then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.get_tokenizer()
+        renderer = self._chat_renderer()
+        source = load_flag_template(chat_template) if chat_template else None
         prompts = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            text, ids = renderer.render_and_tokenize(
+                conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, chat_template=source,
+                chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_renderer(self) -> ChatRenderer:
+        """The server's sandboxed renderer (same template resolution: tokenizer's, else a bundled one)."""
+        if self._renderer is None:
+            tokenizer = self.get_tokenizer()
+            if tokenizer is None:
+                raise ValueError("chat: needs a tokenizer (skip_tokenizer_init is set)")
+            self._renderer = ChatRenderer(tokenizer, resolve_chat_template(tokenizer, None))
+        return self._renderer
 
     # -- internals --------------------------------------------------------------------------------
     @staticmethod
