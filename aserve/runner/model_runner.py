@@ -165,7 +165,8 @@ class ModelRunner:
 
     # -- per step ----------------------------------------------------------------------------------
     def _add_request(self, new: NewRequestData) -> None:
-        """Builds the request's state; raises (leaving no state behind) if its sampling state cannot be built."""
+        """Builds the request's state; raises, leaving no state behind, if its sampling state cannot be
+        built."""
         token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         num_prompt = len(new.prompt_token_ids)
         sampling = self.sampler.states.add(new.sampling_params, token_ids, num_prompt,

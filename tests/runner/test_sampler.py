@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from aserve.runner.sampling import RequestSampling, Sampler, compute_prompt_logprobs, penalties, processors, topk_topp
+from aserve.runner.sampling import (
+    RequestSampling, Sampler, compute_prompt_logprobs, penalties, processors, topk_topp)
 from aserve.sampling_params import SamplingParams
 
 
@@ -349,7 +350,8 @@ def test_a_bad_logits_processor_fails_its_row_only():
         raise RuntimeError("boom")
 
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
-    healthy = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0)]
+    healthy = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+               SamplingParams(temperature=1.0)]
     s = Sampler(8, "cpu", seed=1)
     alone = s.sample(logits[[0, 2, 4]], [row(s, p) for p in healthy]).sampled_token_ids
     s = Sampler(8, "cpu", seed=1)

@@ -41,7 +41,8 @@ def sampled_with_logprobs(sampled: torch.Tensor, raw_logprobs: torch.Tensor, lp_
     out: list[TokenLogprobs | None] = [None] * num_rows
     for j, (i, num) in enumerate(zip(lp_rows, nums)):
         s, n = j * width, 1 + min(num, vocab)
-        out[i] = TokenLogprobs(token_ids=ids_list[s:s + n], logprobs=floats[s:s + n], ranks=ranks_list[s:s + n])
+        out[i] = TokenLogprobs(token_ids=ids_list[s:s + n], logprobs=floats[s:s + n],
+                               ranks=ranks_list[s:s + n])
     return ints[:num_rows], out
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from aserve.runner.sampling.state import FREQUENCY, PRESENCE, REPETITION, RequestSampling, StepParams, index_tensor
+from aserve.runner.sampling.state import (
+    FREQUENCY, PRESENCE, REPETITION, RequestSampling, StepParams, index_tensor)
 
 _NEG_INF = float("-inf")
 

@@ -24,7 +24,8 @@ from aserve.runner.sampling.logprobs import sampled_with_logprobs
 from aserve.runner.sampling.penalties import apply_bias_and_masks, apply_penalties
 from aserve.runner.sampling.processors import apply_processors
 from aserve.runner.sampling.state import (
-    MIN_P, TEMPERATURE, TOP_K, TOP_P, RequestSampling, SamplingStates, StepParams, index_tensor, make_generator)
+    MIN_P, TEMPERATURE, TOP_K, TOP_P, RequestSampling, SamplingStates, StepParams, index_tensor,
+    make_generator)
 from aserve.runner.sampling.topk_topp import argmax, mask_candidates, nucleus_fits, topk
 
 # Top-p (on CPU) looks for the nucleus among the 64, then this many most likely tokens before sorting.
@@ -87,7 +88,8 @@ class Sampler:
 
         if raw_logprobs is None:
             return SamplerResult(sampled.tolist(), [None] * num_rows, failed)
-        ids, logprobs = sampled_with_logprobs(sampled, raw_logprobs, lp_rows, [rows[i].num_logprobs for i in lp_rows])
+        nums = [rows[i].num_logprobs for i in lp_rows]
+        ids, logprobs = sampled_with_logprobs(sampled, raw_logprobs, lp_rows, nums)
         return SamplerResult(ids, logprobs, failed)
 
     # -- the general path ------------------------------------------------------------------------
@@ -113,7 +115,8 @@ class Sampler:
         tokens[sel] = rand_tokens
         return tokens
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[RequestSampling], params: StepParams) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, rows: list[RequestSampling],
+                       params: StepParams) -> torch.Tensor:
         """Rows with temperature > 0 (already applied): top-k / top-p / min-p, then the draw."""
         n, vocab = logits.shape
         device = logits.device
@@ -162,7 +165,8 @@ class Sampler:
         left = list(range(len(group)))  # positions in `group`
         for k in sorted({min(64, cap), cap}):
             part_sel = _positions(left, len(group), device)
-            part, z, p = (sub, log_z, top_p) if part_sel is None else (sub[part_sel], log_z[part_sel], top_p[part_sel])
+            part, z, p = ((sub, log_z, top_p) if part_sel is None
+                          else (sub[part_sel], log_z[part_sel], top_p[part_sel]))
             vals, ids, fits = nucleus_fits(part, z, p, k)
             ok = [i for i, f in enumerate(fits) if f]
             if ok:
@@ -180,7 +184,8 @@ class Sampler:
         return [group[i] for i in left]
 
     def _draw_candidates(self, vals: torch.Tensor, ids: torch.Tensor, rows: list[RequestSampling],
-                         params: StepParams, use_top_k: bool, log_z: torch.Tensor | None = None) -> torch.Tensor:
+                         params: StepParams, use_top_k: bool,
+                         log_z: torch.Tensor | None = None) -> torch.Tensor:
         """Draws among candidates sorted by descending logit (`ids` their token ids), after the rows'
         top-k (`use_top_k`) and top-p. `log_z`: each row's normalizer over the whole vocabulary (None:
         over the kept candidates)."""
@@ -198,7 +203,8 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: list[RequestSampling], params: StepParams,
               widths: list[int] | None = None) -> torch.Tensor:
         min_p = params.column(MIN_P) if any(r.min_p > 0.0 for r in rows) else None
-        return draw(logits, [r.generator for r in rows], self.generator, min_p, self.use_exponential_noise, widths)
+        generators = [r.generator for r in rows]
+        return draw(logits, generators, self.generator, min_p, self.use_exponential_noise, widths)
 
 
 def _positions(values: list[int], total: int, device: torch.device) -> torch.Tensor | None:

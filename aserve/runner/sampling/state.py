@@ -140,7 +140,8 @@ class SamplingStates:
         bias_ids = bias_values = allowed = None
         if params.logit_bias:
             bias_ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64, device=self.device)
-            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device)
+            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32,
+                                       device=self.device)
         if params.allowed_token_ids is not None:
             allowed = torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=self.device)
         processors = [(f, processor_arity(f)) for f in params.logits_processors or ()]
