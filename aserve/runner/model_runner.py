@@ -215,6 +215,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """Runs one step. Requests that fail alone (see the module docstring) are in `failed_requests`
+        and nowhere else in the output, and their state is gone; any exception raised is fatal."""
         for req_id in so.finished_req_ids:
             self._remove_request(req_id)
         self._apply_block_ops(so)

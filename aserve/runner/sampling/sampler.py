@@ -96,9 +96,11 @@ class Sampler:
     def _sample_general(self, work: torch.Tensor, rows: list[RequestSampling]) -> torch.Tensor:
         """Penalties, then greedy rows take the argmax and the others go to `_sample_random`."""
         device = work.device
+        random_rows = [i for i, r in enumerate(rows) if not r.greedy]
+        if not random_rows and not any(r.repetition or r.presence_or_frequency for r in rows):
+            return argmax(work)
         params = self.states.gather(rows)
         apply_penalties(work, rows, params)
-        random_rows = [i for i, r in enumerate(rows) if not r.greedy]
         if not random_rows:
             return argmax(work)
         sel = _positions(random_rows, len(rows), device)

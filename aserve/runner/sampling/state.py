@@ -1,11 +1,12 @@
 """Per-request sampling state, built once when a request arrives and kept until it leaves.
 
-The numeric parameters of every live request are rows of one persistent host table
-(`SamplingStates`, numpy: a row write costs a microsecond, a torch element write fifty), written once
-in `add` and freed in `remove`; a step gathers the rows it samples with one index and moves them to
-the device in one non-blocking copy. What cannot be a tensor row
-stays on the request's `RequestSampling`: its generator, its logit-bias / allowed-token tensors, its
-logits processors, and host-side flags that let a step skip the work no row needs.
+The numeric parameters of every live request (temperature, top_p, top_k, min_p, the three penalties)
+are rows of one persistent host table (`SamplingStates`; numpy, where a row write costs about a
+microsecond and a torch element write tens), written once in `add` and freed in `remove`; a step
+gathers the rows it samples with one index and moves them to the device in one non-blocking copy.
+What cannot be a table row stays on the request's `RequestSampling`: its generator, its logit-bias /
+allowed-token tensors, its logits processors, and host-side flags that let a step skip the work no
+row needs.
 
 The runner trusts its input (intake validated every field); `add` raises only where building the
 state itself fails (a generator torch will not seed, a logits processor whose signature cannot be
@@ -104,7 +105,8 @@ class RequestSampling:
 
 @dataclass
 class StepParams:
-    """The parameter rows of one step's sampled requests, on the device, `[n]` each."""
+    """The parameter rows of one step's sampled requests, on the device: `column(TEMPERATURE)` etc.
+    are `[n]`, in the order of the rows they were gathered for."""
 
     table: torch.Tensor  # [n, columns] float32
 
