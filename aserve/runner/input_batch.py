@@ -1,32 +1,31 @@
 """Per-request runner state and the step's flat model inputs (SchedulerOutput -> tensors).
 
-The runner keeps a `CachedRequestState` per live request (its own copy of token ids, block table,
-sampling row). `build_model_inputs` turns one step's schedule into packed tensors with decode
+The runner keeps a `CachedRequestState` per live request: its one token list (prompt, then outputs;
+its sampling state reads the same list), block table and sampling state. `build_model_inputs` turns one step's schedule into packed tensors with decode
 sequences first, built with numpy in a handful of vector ops (no per-token Python).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from aserve.model.attention.base import AttentionMetadata
-from aserve.runner.sampler import RowSamplingState
+from aserve.runner.sampling import RequestSampling
 from aserve.sampling_params import SamplingParams
 
 
 @dataclass
 class CachedRequestState:
     req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + outputs; the runner appends each sampled token
+    num_prompt_tokens: int
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    row: RowSamplingState
-    token_ids: list[int] = field(default_factory=list)  # prompt + outputs (appended as we sample)
+    sampling: RequestSampling  # reads `token_ids` (the same list)
 
     @property
     def num_tokens(self) -> int:
@@ -129,7 +128,7 @@ def build_model_inputs(
             logits_indices.append(int(ends[i]) - 1)
         if s.params.prompt_logprobs is not None:
             start = int(starts[i])
-            num_prompt = len(s.prompt_token_ids)
+            num_prompt = s.num_prompt_tokens
             # Logits at position p score prompt token p + 1; only positions < num_prompt - 1 have a target.
             last = min(end, num_prompt - 1)
             if last > start:

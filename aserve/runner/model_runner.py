@@ -2,7 +2,12 @@
 
 `load_model()` -> `initialize_kv_cache()` (sizes the pool: CPU budget, GPU profiling, or the
 override) -> `capture_graphs()` (CUDA only) -> `execute(SchedulerOutput) -> RunnerOutput` per step.
-It never decides policy: it runs exactly what the scheduler emitted.
+It never decides policy: it runs exactly what the scheduler emitted, and trusts its input (intake
+validated it).
+
+Failures: what can be pinned on one request (building its sampling state, running its logits
+processors) fails that request alone: its state is dropped, it is left out of the step's sampling and
+reported in `RunnerOutput.failed_requests`. Anything else `execute` raises (the forward pass) is fatal.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, Run
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
-from aserve.runner.sampler import RowSamplingState, Sampler, compute_prompt_logprobs, make_generator
+from aserve.runner.sampling import Sampler, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -156,19 +161,20 @@ class ModelRunner:
 
     # -- per step ----------------------------------------------------------------------------------
     def _add_request(self, new: NewRequestData) -> None:
-        params = new.sampling_params
-        outputs = list(new.output_token_ids)
-        generator = make_generator(params.seed, self.device) if params.seed is not None else None
-        if generator is not None and outputs:
-            # Resumed after preemption: advance the stream so the seed keeps its sequence.
-            generator = make_generator(params.seed + len(outputs), self.device)
-        row = RowSamplingState(params=params, prompt_token_ids=new.prompt_token_ids, output_token_ids=outputs,
-                               generator=generator,
-                               stop_token_ids_for_min_tokens=new.stop_token_ids_for_min_tokens)
+        """Builds the request's state; raises, leaving no state behind, if its sampling state cannot be
+        built."""
+        token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
+        num_prompt = len(new.prompt_token_ids)
+        sampling = self.sampler.states.add(new.sampling_params, token_ids, num_prompt,
+                                           new.stop_token_ids_for_min_tokens)
         self.states[new.req_id] = CachedRequestState(
-            req_id=new.req_id, prompt_token_ids=new.prompt_token_ids, output_token_ids=outputs, params=params,
-            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, row=row,
-            token_ids=list(new.prompt_token_ids) + outputs)
+            req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=num_prompt, params=new.sampling_params,
+            block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, sampling=sampling)
+
+    def _remove_request(self, req_id: str) -> None:
+        state = self.states.pop(req_id, None)
+        if state is not None:
+            self.sampler.states.remove(state.sampling)
 
     def _update_request(self, cached: CachedRequestData) -> None:
         state = self.states[cached.req_id]
@@ -186,14 +192,13 @@ class ModelRunner:
                 d_cache.index_copy_(1, dst.to(d_cache.device), s_cache.index_select(1, src.to(s_cache.device))
                                     .to(d_cache.device))
 
-    def _prepare(self, so: SchedulerOutput) -> ModelInputs:
+    def _prepare(self, req_ids: list[str], num_tokens: list[int]) -> ModelInputs:
         static = self.graph_runner is not None or self.force_static_decode
         pad_to = None
-        if static and all(n == 1 for n in so.num_scheduled_tokens):
-            pad_to = padded_size(self.static_sizes, len(so.scheduled_req_ids))
-        inputs = build_model_inputs(self.states, so.scheduled_req_ids, so.num_scheduled_tokens, self.block_size,
-                                    self.device, self.arch.sliding_window, pad_to_num_seqs=pad_to)
-        return inputs
+        if static and all(n == 1 for n in num_tokens):
+            pad_to = padded_size(self.static_sizes, len(req_ids))
+        return build_model_inputs(self.states, req_ids, num_tokens, self.block_size, self.device,
+                                  self.arch.sliding_window, pad_to_num_seqs=pad_to)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta
@@ -205,43 +210,56 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """Runs one step. Requests that fail alone (see the module docstring) are in `failed_requests`
+        and nowhere else in the output, and their state is gone; any exception raised is fatal."""
         for req_id in so.finished_req_ids:
-            self.states.pop(req_id, None)
+            self._remove_request(req_id)
         self._apply_block_ops(so)
+        failed: dict[str, str] = {}
         for new in so.new_requests:
-            self._add_request(new)
+            try:
+                self._add_request(new)
+            except Exception as e:  # noqa: BLE001 - belongs to this request alone
+                failed[new.req_id] = f"could not set up sampling for this request: {type(e).__name__}: {e}"
         for cached in so.cached_requests:
             self._update_request(cached)
-        if so.is_empty:
-            return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+        scheduled = [(r, n) for r, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens) if r not in failed]
+        if not scheduled:
+            return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 
-        inputs = self._prepare(so)
+        inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled])
         hidden = self._forward(inputs)
 
         prompt_logprobs = {}
         for req_id, (start, count, first_target) in inputs.prompt_logprob_spans.items():
             state = self.states[req_id]
             logits = self.model.compute_logits(hidden[start:start + count])
-            targets = torch.tensor(state.prompt_token_ids[first_target:first_target + count], device=self.device)
+            targets = torch.tensor(state.token_ids[first_target:first_target + count], device=self.device)
             prompt_logprobs[req_id] = compute_prompt_logprobs(logits, targets, state.params.prompt_logprobs)
 
-        if not inputs.sample_req_ids:
-            result_ids, result_logprobs = [], []
-        else:
+        sample_req_ids = inputs.sample_req_ids
+        result_ids, result_logprobs = [], []
+        if sample_req_ids:
             idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            rows = [self.states[r].row for r in inputs.sample_req_ids]
-            result = self.sampler.sample(logits, rows)
+            result = self.sampler.sample(logits, [self.states[r].sampling for r in sample_req_ids])
             result_ids, result_logprobs = result.sampled_token_ids, result.logprobs
+            if result.failed:
+                for i, message in result.failed.items():
+                    req_id = sample_req_ids[i]
+                    failed[req_id] = message
+                    prompt_logprobs.pop(req_id, None)
+                    self._remove_request(req_id)
+                sample_req_ids = [r for i, r in enumerate(sample_req_ids) if i not in result.failed]
 
         for req_id, num in zip(inputs.req_ids, inputs.num_scheduled):
-            self.states[req_id].num_computed_tokens += num
-        for req_id, token in zip(inputs.sample_req_ids, result_ids):
-            state = self.states[req_id]
-            state.output_token_ids.append(token)
-            state.token_ids.append(token)
-        return RunnerOutput(req_ids=inputs.sample_req_ids, sampled_token_ids=result_ids, logprobs=result_logprobs,
-                            prompt_logprobs=prompt_logprobs)
+            state = self.states.get(req_id)
+            if state is not None:
+                state.num_computed_tokens += num
+        for req_id, token in zip(sample_req_ids, result_ids):
+            self.states[req_id].token_ids.append(token)
+        return RunnerOutput(req_ids=sample_req_ids, sampled_token_ids=result_ids, logprobs=result_logprobs,
+                            prompt_logprobs=prompt_logprobs, failed_requests=failed)
 
 
 class ModelInputsForProfile:

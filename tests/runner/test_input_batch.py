@@ -5,17 +5,16 @@ from __future__ import annotations
 import torch
 
 from aserve.runner.input_batch import CachedRequestState, build_model_inputs
-from aserve.runner.sampler import RowSamplingState
+from aserve.runner.sampling import SamplingStates
 from aserve.sampling_params import SamplingParams
 
 
 def _state(req_id, prompt, outputs, blocks, computed, **params):
     sp = SamplingParams(**params)
-    row = RowSamplingState(params=sp, prompt_token_ids=prompt, output_token_ids=outputs, generator=None,
-                           stop_token_ids_for_min_tokens=[])
-    return CachedRequestState(req_id=req_id, prompt_token_ids=prompt, output_token_ids=outputs, params=sp,
-                              block_ids=blocks, num_computed_tokens=computed, row=row,
-                              token_ids=prompt + outputs)
+    token_ids = prompt + outputs
+    sampling = SamplingStates(1000, "cpu").add(sp, token_ids, len(prompt), [])
+    return CachedRequestState(req_id=req_id, token_ids=token_ids, num_prompt_tokens=len(prompt), params=sp,
+                              block_ids=blocks, num_computed_tokens=computed, sampling=sampling)
 
 
 def test_mixed_batch_packing():

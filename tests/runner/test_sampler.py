@@ -7,15 +7,14 @@ import math
 import pytest
 import torch
 
-from aserve.runner import sampler as sampler_mod
-from aserve.runner.sampler import RowSamplingState, Sampler, compute_prompt_logprobs, make_generator
+from aserve.runner.sampling import (
+    RequestSampling, Sampler, compute_prompt_logprobs, penalties, processors, topk_topp)
 from aserve.sampling_params import SamplingParams
 
 
-def row(params: SamplingParams, prompt=(), outputs=(), stop_ids=(), device="cpu") -> RowSamplingState:
-    gen = make_generator(params.seed, device) if params.seed is not None else None
-    return RowSamplingState(params=params, prompt_token_ids=list(prompt), output_token_ids=list(outputs),
-                            generator=gen, stop_token_ids_for_min_tokens=list(stop_ids))
+def row(s: Sampler, params: SamplingParams, prompt=(), outputs=(), stop_ids=()) -> RequestSampling:
+    """A live request on `s` with the given token history (new tokens are appended to `.token_ids`)."""
+    return s.states.add(params, list(prompt) + list(outputs), len(prompt), list(stop_ids))
 
 
 def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000, *, noise: bool = False,
@@ -26,7 +25,7 @@ def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int = 4000, *
     s.use_exponential_noise = noise
     if candidates is not None:
         s.top_p_candidates = candidates
-    out = s.sample(logits_row.expand(n, vocab).contiguous(), [row(params) for _ in range(n)])
+    out = s.sample(logits_row.expand(n, vocab).contiguous(), [row(s, params) for _ in range(n)])
     return torch.tensor(out.sampled_token_ids)
 
 
@@ -75,7 +74,7 @@ def test_greedy_is_argmax(vocab, dtype):
     logits[3, :] = 0.0  # ties: the first index wins, as with torch.argmax
     logits[4, 7] = logits[4, 900 % vocab] = 50.0
     s = Sampler(vocab, "cpu")
-    out = s.sample(logits, [row(SamplingParams(temperature=0)) for _ in range(16)])
+    out = s.sample(logits, [row(s, SamplingParams(temperature=0)) for _ in range(16)])
     assert out.sampled_token_ids == logits.float().argmax(-1).tolist()
     assert out.logprobs == [None] * 16
 
@@ -84,7 +83,8 @@ def test_greedy_rows_in_a_mixed_batch_are_argmax(logits64):
     logits = torch.stack([logits64, logits64.flip(0), logits64 * 2, logits64 - 1])
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
               SamplingParams(temperature=0, logit_bias={0: 0.0}), SamplingParams(temperature=0.7, top_k=3)]
-    out = Sampler(64, "cpu").sample(logits, [row(p) for p in params])
+    s = Sampler(64, "cpu")
+    out = s.sample(logits, [row(s, p) for p in params])
     assert out.sampled_token_ids[0] == int(logits[0].argmax())
     assert out.sampled_token_ids[2] == int(logits[2].argmax())
 
@@ -96,7 +96,8 @@ def test_sample_does_not_modify_logits(logits64):
               SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
               SamplingParams(temperature=1.0, min_p=0.2, frequency_penalty=1.0),
               SamplingParams(temperature=1.0, top_k=4)]
-    Sampler(64, "cpu").sample(logits, [row(p, prompt=[1, 2], outputs=[3, 3]) for p in params])
+    s = Sampler(64, "cpu")
+    s.sample(logits, [row(s, p, prompt=[1, 2], outputs=[3, 3]) for p in params])
     assert torch.equal(logits, before)
 
 
@@ -156,7 +157,7 @@ def test_rows_with_different_filters_in_one_batch(logits64):
               SamplingParams(temperature=0)]
     s = Sampler(64, "cpu")
     s.top_p_candidates = 8
-    rows = [row(params[i % len(params)]) for i in range(n)]
+    rows = [row(s, params[i % len(params)]) for i in range(n)]
     tokens = torch.tensor(s.sample(logits64.expand(n, 64).contiguous(), rows).sampled_token_ids)
     refs = [nucleus_probs(logits64, 1.0, top_k=3), nucleus_probs(logits64, 0.5),
             nucleus_probs(logits64, 1.0, min_p=0.3), logits64.softmax(-1), None]
@@ -178,7 +179,7 @@ def test_top_p_shortcut_on_a_large_vocabulary_matches_the_sort():
     for candidates in (256, 10**9):  # 10**9: never the shortcut
         s = Sampler(vocab, "cpu", seed=5)
         s.top_p_candidates = candidates
-        rows = [row(SamplingParams(temperature=1.0, top_p=0.8, seed=i)) for i in range(n)]
+        rows = [row(s, SamplingParams(temperature=1.0, top_p=0.8, seed=i)) for i in range(n)]
         results.append(s.sample(logits, rows).sampled_token_ids)
     assert results[0] == results[1]
 
@@ -188,7 +189,7 @@ def test_chunked_top_k_matches_torch(k):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(5, 4096, generator=g)
     x[0, :] = 0.5  # all ties
-    vals, ids = sampler_mod._topk(x, k)
+    vals, ids = topk_topp.topk(x, k)
     ref_vals, _ = x.topk(k, dim=-1)
     assert torch.equal(vals, ref_vals)
     assert torch.equal(x.gather(1, ids), vals)
@@ -202,31 +203,32 @@ def test_two_level_argmax_matches_torch():
     x[2, 100] = x[2, 3000] = 9.0
     x[3, :] = float("-inf")
     x[3, 4095] = 0.0
-    assert torch.equal(sampler_mod._argmax(x), x.argmax(-1))
+    assert torch.equal(topk_topp.argmax(x), x.argmax(-1))
 
 
 # -- penalties, bias, masks -------------------------------------------------------------------------
-def processed_logits(logits: torch.Tensor, rows: list[RowSamplingState]) -> torch.Tensor:
+def processed_logits(s: Sampler, logits: torch.Tensor, rows: list[RequestSampling]) -> torch.Tensor:
     """The logits after bias, masks, processors and penalties (before temperature)."""
     work = logits.clone()
-    plans = [r.plan(logits.shape[1], logits.device) for r in rows]
-    sampler_mod._apply_bias_and_masks(work, rows, plans)
-    sampler_mod._apply_processors(work, rows, plans)
-    sampler_mod._apply_penalties(work, rows, plans)
+    penalties.apply_bias_and_masks(work, rows)
+    assert processors.apply_processors(work, rows) == {}
+    penalties.apply_penalties(work, rows, s.states.gather(rows))
     return work
 
 
 def test_repetition_penalty_exact():
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
-    r = row(SamplingParams(repetition_penalty=2.0), prompt=[0, 1], outputs=[2, 2])
-    got = processed_logits(logits, [r])
+    s = Sampler(6, "cpu")
+    r = row(s, SamplingParams(repetition_penalty=2.0), prompt=[0, 1], outputs=[2, 2])
+    got = processed_logits(s, logits, [r])
     assert torch.allclose(got, torch.tensor([[1.0, -4.0, 0.5, -1.0, 0.5, 3.0]]))
 
 
 def test_frequency_and_presence_penalties_exact():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, -1.0]])
-    r = row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt=[3], outputs=[0, 0, 0, 1, 4])
-    got = processed_logits(logits, [r])
+    s = Sampler(5, "cpu")
+    r = row(s, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt=[3], outputs=[0, 0, 0, 1, 4])
+    got = processed_logits(s, logits, [r])
     # token 0: 1 - 3*0.5 - 0.25; token 1: 1 - 0.5 - 0.25; prompt-only token 3 untouched.
     assert torch.allclose(got, torch.tensor([[-0.75, 0.25, 1.0, 1.0, -1.75]]))
 
@@ -243,7 +245,8 @@ def test_all_penalties_together_follow_the_reference_order():
               SamplingParams(repetition_penalty=1.2, presence_penalty=0.1)]
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 3, 8, 0, 2, 0)]
     outputs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (9, 4, 0, 6, 12, 0)]
-    rows = [row(p, prompt=pr, outputs=o) for p, pr, o in zip(params, prompts, outputs)]
+    s = Sampler(vocab, "cpu")
+    rows = [row(s, p, prompt=pr, outputs=o) for p, pr, o in zip(params, prompts, outputs)]
     expected = logits.clone()
     for i, (p, pr, o) in enumerate(zip(params, prompts, outputs)):
         for t in set(pr) | set(o):
@@ -251,35 +254,37 @@ def test_all_penalties_together_follow_the_reference_order():
             expected[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
         for t in set(o):
             expected[i, t] -= p.frequency_penalty * o.count(t) + p.presence_penalty
-    assert torch.allclose(processed_logits(logits, rows), expected, atol=1e-6)
+    assert torch.allclose(processed_logits(s, logits, rows), expected, atol=1e-6)
 
 
 def test_output_token_buffer_follows_the_appended_list():
-    r = row(SamplingParams(frequency_penalty=1.0), outputs=[1])
+    s = Sampler(8, "cpu")
+    r = row(s, SamplingParams(frequency_penalty=1.0), outputs=[1])
     logits = torch.zeros(1, 8)
-    assert processed_logits(logits, [r])[0, 1] == -1.0
+    assert processed_logits(s, logits, [r])[0, 1] == -1.0
     for t in [1, 2] + [3] * 40:  # grows past the initial buffer
-        r.output_token_ids.append(t)
-    got = processed_logits(logits, [r])[0]
+        r.token_ids.append(t)
+    got = processed_logits(s, logits, [r])[0]
     assert got[1] == -2.0 and got[2] == -1.0 and got[3] == -40.0
 
 
 def test_penalties_change_the_greedy_choice():
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]])
     s = Sampler(4, "cpu")
-    assert s.sample(logits, [row(SamplingParams(temperature=0), outputs=[0])]).sampled_token_ids == [0]
-    penalized = row(SamplingParams(temperature=0, frequency_penalty=2.0), outputs=[0])
+    assert s.sample(logits, [row(s, SamplingParams(temperature=0), outputs=[0])]).sampled_token_ids == [0]
+    penalized = row(s, SamplingParams(temperature=0, frequency_penalty=2.0), outputs=[0])
     assert s.sample(logits, [penalized]).sampled_token_ids == [1]
 
 
 def test_logit_bias_is_added():
     logits = torch.zeros(2, 10)
-    rows = [row(SamplingParams(logit_bias={3: 2.5, 7: -100})), row(SamplingParams())]
-    got = processed_logits(logits, rows)
+    s = Sampler(10, "cpu")
+    rows = [row(s, SamplingParams(logit_bias={3: 2.5, 7: -100})), row(s, SamplingParams())]
+    got = processed_logits(s, logits, rows)
     expected = torch.zeros(2, 10)
     expected[0, 3], expected[0, 7] = 2.5, -100.0
     assert torch.equal(got, expected)
-    greedy = Sampler(10, "cpu").sample(logits, [row(SamplingParams(temperature=0, logit_bias={6: 1.0}))] * 2)
+    greedy = s.sample(logits, [row(s, SamplingParams(temperature=0, logit_bias={6: 1.0}))] * 2)
     assert greedy.sampled_token_ids == [6, 6]
 
 
@@ -289,7 +294,8 @@ def test_allowed_token_ids_restrict_sampling(logits64):
     ref = torch.zeros(64)
     ref[allowed] = logits64[allowed].softmax(-1)
     assert_frequencies(samples, ref)
-    got = processed_logits(logits64.unsqueeze(0), [row(SamplingParams(allowed_token_ids=allowed))])[0]
+    s = Sampler(64, "cpu")
+    got = processed_logits(s, logits64.unsqueeze(0), [row(s, SamplingParams(allowed_token_ids=allowed))])[0]
     assert torch.equal(got[allowed], logits64[allowed])
     assert torch.isinf(got).sum() == 60
 
@@ -297,11 +303,11 @@ def test_allowed_token_ids_restrict_sampling(logits64):
 def test_min_tokens_masks_stop_tokens_until_reached():
     logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])  # token 1 = EOS, token 2 = a stop token
     s = Sampler(4, "cpu")
-    r = row(SamplingParams(temperature=0, min_tokens=2), stop_ids=[1, 2])
+    r = row(s, SamplingParams(temperature=0, min_tokens=2), stop_ids=[1, 2])
     assert s.sample(logits, [r]).sampled_token_ids == [3]
-    r.output_token_ids.append(3)
+    r.token_ids.append(3)
     assert s.sample(logits, [r]).sampled_token_ids == [3]
-    r.output_token_ids.append(3)
+    r.token_ids.append(3)
     assert s.sample(logits, [r]).sampled_token_ids == [1]
 
 
@@ -310,7 +316,7 @@ def test_min_tokens_never_samples_a_stop_token(logits64):
     samples = draw_many(logits64, SamplingParams(temperature=1.0, min_tokens=1), n=2000)
     assert set(stops) & set(samples.tolist())  # they are likely without the mask...
     s = Sampler(64, "cpu")
-    rows = [row(SamplingParams(temperature=1.0, min_tokens=1), stop_ids=stops) for _ in range(2000)]
+    rows = [row(s, SamplingParams(temperature=1.0, min_tokens=1), stop_ids=stops) for _ in range(2000)]
     masked = s.sample(logits64.expand(2000, 64).contiguous(), rows).sampled_token_ids
     assert not set(stops) & set(masked)
 
@@ -331,34 +337,53 @@ def test_logits_processors_both_arities():
 
     s = Sampler(8, "cpu")
     logits = torch.zeros(2, 8)
-    rows = [row(SamplingParams(temperature=0, logits_processors=[two]), prompt=[1], outputs=[4]),
-            row(SamplingParams(temperature=0, logits_processors=[two, three]), prompt=[7], outputs=[6])]
+    rows = [row(s, SamplingParams(temperature=0, logits_processors=[two]), prompt=[1], outputs=[4]),
+            row(s, SamplingParams(temperature=0, logits_processors=[two, three]), prompt=[7], outputs=[6])]
     assert s.sample(logits, rows).sampled_token_ids == [2, 5]
     assert seen == {"two": [6], "three": ([7], [6])}
 
 
-def test_bad_logits_processors_raise():
-    s = Sampler(8, "cpu")
-    with pytest.raises(ValueError, match="logits_processors"):
-        s.sample(torch.zeros(1, 8), [row(SamplingParams(logits_processors=[lambda a: a]))])
-    with pytest.raises(ValueError, match="logits_processors"):
-        s.sample(torch.zeros(1, 8), [row(SamplingParams(logits_processors=[lambda a, b: None]))])
+def test_a_bad_logits_processor_fails_its_row_only():
+    """A processor that raises or returns something else fails its row (reported by position); the
+    other rows get the tokens they get without it, and no randomness is consumed for the failed rows."""
+    def boom(output_ids, logits):
+        raise RuntimeError("boom")
+
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    healthy = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+               SamplingParams(temperature=1.0)]
+    s = Sampler(8, "cpu", seed=1)
+    alone = s.sample(logits[[0, 2, 4]], [row(s, p) for p in healthy]).sampled_token_ids
+    s = Sampler(8, "cpu", seed=1)
+    rows = [row(s, healthy[0]), row(s, SamplingParams(logits_processors=[boom])), row(s, healthy[1]),
+            row(s, SamplingParams(temperature=0, logprobs=1, logits_processors=[lambda a, b: None])),
+            row(s, healthy[2])]
+    out = s.sample(logits, rows)
+    assert out.sampled_token_ids == alone
+    assert out.logprobs == [None] * 3
+    assert set(out.failed) == {1, 3}
+    assert "boom" in out.failed[1] and "RuntimeError" in out.failed[1]
+    assert "must return the logits row" in out.failed[3] and "NoneType" in out.failed[3]
+    everyone_fails = s.sample(logits[:1], [rows[1]])
+    assert everyone_fails.sampled_token_ids == [] and set(everyone_fails.failed) == {0}
 
 
-def test_bad_inputs_raise_naming_the_field():
+def test_an_unusable_logits_processor_signature_fails_at_add():
     s = Sampler(8, "cpu")
-    with pytest.raises(ValueError, match="logits"):
-        s.sample(torch.zeros(2, 8), [row(SamplingParams())])
-    with pytest.raises(ValueError, match="logits"):
-        s.sample(torch.zeros(1, 9), [row(SamplingParams())])
-    unseeded = RowSamplingState(params=SamplingParams(seed=3), prompt_token_ids=[], output_token_ids=[],
-                                generator=None, stop_token_ids_for_min_tokens=[])
-    with pytest.raises(ValueError, match="generator"):
-        s.sample(torch.zeros(1, 8), [unseeded])
-    with pytest.raises(ValueError, match="allowed_token_ids"):
-        s.sample(torch.zeros(1, 8), [row(SamplingParams(allowed_token_ids=[8]))])
-    with pytest.raises(ValueError, match="vocab_size"):
-        Sampler(0, "cpu")
+    with pytest.raises(ValueError, match="logits_processors"):
+        s.states.add(SamplingParams(logits_processors=[lambda a: a]), [1], 1, [])
+    assert s.states.num_live == 0
+
+
+def test_states_reuse_freed_rows_and_grow():
+    s = Sampler(8, "cpu")
+    rows = [row(s, SamplingParams(temperature=0.5 + i / 100)) for i in range(40)]  # past the initial capacity
+    assert s.states.num_live == 40
+    assert s.states.gather(rows).table[:, 0].tolist() == pytest.approx([0.5 + i / 100 for i in range(40)])
+    s.states.remove(rows[7])
+    again = row(s, SamplingParams(temperature=2.0))
+    assert again.slot == rows[7].slot and s.states.num_live == 40
+    assert s.states.gather([rows[6], again, rows[8]]).table[:, 0].tolist() == pytest.approx([0.56, 2.0, 0.58])
 
 
 # -- seeds ------------------------------------------------------------------------------------------
@@ -381,8 +406,8 @@ def test_seeded_request_is_reproducible_whatever_the_batch(params, noise):
         s = Sampler(vocab, "cpu", seed=batch_of)
         s.use_exponential_noise = noise
         s.top_p_candidates = 16
-        seeded = row(params, prompt=[1, 2, 3])
-        others = [row(p, prompt=[4]) for p in (
+        seeded = row(s, params, prompt=[1, 2, 3])
+        others = [row(s, p, prompt=[4]) for p in (
             SamplingParams(temperature=1.0), SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=50),
             SamplingParams(temperature=1.0, top_p=0.3, seed=5), SamplingParams(temperature=0.7, top_k=3, seed=1234),
             SamplingParams(temperature=1.0, top_p=0.99))][:batch_of]
@@ -395,7 +420,7 @@ def test_seeded_request_is_reproducible_whatever_the_batch(params, noise):
             token = out[len(others) // 2]
             tokens.append(token)
             for r, tok in zip(rows, out):
-                r.output_token_ids.append(tok)
+                r.token_ids.append(tok)
         return tokens
 
     alone = run(0)
@@ -406,8 +431,8 @@ def test_seeded_request_is_reproducible_whatever_the_batch(params, noise):
 
 def test_different_seeds_and_unseeded_rows_differ(logits64):
     s = Sampler(64, "cpu")
-    rows = [row(SamplingParams(temperature=1.0, seed=i)) for i in range(2)] + \
-        [row(SamplingParams(temperature=1.0)) for _ in range(2)]
+    rows = [row(s, SamplingParams(temperature=1.0, seed=i)) for i in range(2)] + \
+        [row(s, SamplingParams(temperature=1.0)) for _ in range(2)]
     seqs = [[] for _ in rows]
     for _ in range(30):
         for seq, tok in zip(seqs, s.sample(logits64.expand(4, 64).contiguous(), rows).sampled_token_ids):
@@ -442,7 +467,8 @@ def test_logprobs_are_raw_model_logprobs():
               SamplingParams(temperature=0),
               SamplingParams(temperature=0, logprobs=0),
               SamplingParams(temperature=1.0, logprobs=2)]
-    out = Sampler(vocab, "cpu").sample(logits.to(torch.bfloat16), [row(p, prompt=[1, 2]) for p in params])
+    s = Sampler(vocab, "cpu")
+    out = s.sample(logits.to(torch.bfloat16), [row(s, p, prompt=[1, 2]) for p in params])
     raw = torch.log_softmax(logits.to(torch.bfloat16).float(), -1)
     assert out.logprobs[1] is None
     assert out.sampled_token_ids[0] == 0  # the bias wins the sampling, the logprobs stay raw
@@ -454,7 +480,8 @@ def test_logprobs_are_raw_model_logprobs():
 
 def test_logprob_ranks_with_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
-    out = Sampler(5, "cpu").sample(logits, [row(SamplingParams(temperature=0, logprobs=4))])
+    s = Sampler(5, "cpu")
+    out = s.sample(logits, [row(s, SamplingParams(temperature=0, logprobs=4))])
     entry = out.logprobs[0]
     assert entry.token_ids[0] == 1 and entry.ranks[0] == 1
     assert entry.ranks[1:] == [1, 1, 1, 4]
@@ -472,5 +499,3 @@ def test_compute_prompt_logprobs():
         check_entry(e, lp[i], int(targets[i]), 3)
     assert [e.token_ids for e in compute_prompt_logprobs(logits, targets, 0)] == [[t] for t in targets.tolist()]
     assert compute_prompt_logprobs(logits[:0], targets[:0], 2) == []
-    with pytest.raises(ValueError, match="target_token_ids"):
-        compute_prompt_logprobs(logits, targets[:3], 1)
