@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from aserve import LLM, SamplingParams
+from aserve import SamplingParams
+from aserve.config import EngineArgs
 from aserve.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
+from aserve.runner.model_runner import ModelRunner
 
 PROMPTS = {"greedy": [5, 17, 99, 3, 42, 8], "seeded": [300, 11, 7, 250], "other": [9, 9, 100, 23, 61, 7, 2]}
 HEALTHY = {"greedy": SamplingParams(temperature=0), "seeded": SamplingParams(temperature=1.0, seed=7)}
@@ -20,10 +22,12 @@ NUM_STEPS = 5
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama):
-    llm = LLM(tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=128,
-              cpu_kvcache_space=0.02, max_num_seqs=8)
-    yield llm.engine.core.executor.runner
-    llm.engine.shutdown()
+    args = EngineArgs(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+                      cpu_kvcache_space=0.02, max_num_seqs=8)
+    runner = ModelRunner(args.create_config(model_path=tiny_llama))
+    runner.load_model()
+    runner.initialize_kv_cache()
+    return runner
 
 
 class Driver:
