@@ -13,8 +13,9 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any
 
 import xgrammar as xgr
 
@@ -136,7 +137,7 @@ class GrammarCompiler:
                 return self._compiler.compile_structural_tag(value)
         except GrammarCompileError:
             raise
-        except Exception as e:  # xgrammar raises RuntimeError / its own error types
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar: RuntimeError and subclasses
             raise GrammarCompileError(field, f"cannot compile: {_clean(e)}") from None
         raise GrammarCompileError(field, f"unknown guided decoding kind {kind!r}")
 

@@ -13,7 +13,7 @@ Per step the runner does (see the README's "Structured outputs (engine layer)"):
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr

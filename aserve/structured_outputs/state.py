@@ -9,7 +9,7 @@ tokens (`rebuild`), which reaches exactly the state of an uninterrupted run.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import xgrammar as xgr
 

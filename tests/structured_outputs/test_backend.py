@@ -150,7 +150,7 @@ def test_structural_tag_compiles_and_constrains(sample):
     outputs = sample(GuidedDecodingParams(structural_tag=tag), n=3, seed=2)
     _all_finished(outputs)
     for out in outputs:
-        m = re.fullmatch(r"<answer>(.*)</answer>", out.text, re.S)
+        m = re.fullmatch(r"<answer>(.*)</answer>", out.text, re.DOTALL)
         assert m and isinstance(json.loads(m.group(1))["n"], int), out.text
 
 

@@ -111,4 +111,4 @@ def test_params_module_stays_light():
     code = ("import sys, aserve.structured_outputs.params, aserve.structured_outputs; "
             "bad = [m for m in ('torch', 'xgrammar') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
