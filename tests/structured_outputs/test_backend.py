@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from aserve.structured_outputs.backend import GrammarCompileError, choice_grammar
+from aserve.structured_outputs.backend import GrammarCompileError, check_compiles, choice_grammar
 from aserve.structured_outputs.params import GuidedDecodingParams
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -154,14 +154,17 @@ def test_structural_tag_compiles_and_constrains(sample):
         assert m and isinstance(json.loads(m.group(1))["n"], int), out.text
 
 
-@pytest.mark.parametrize("params, field", [
+UNCOMPILABLE = [
     (GuidedDecodingParams(json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), "guided_json"),
     (GuidedDecodingParams(json={"type": 12}), "guided_json"),
     (GuidedDecodingParams(regex="(unclosed"), "guided_regex"),
     (GuidedDecodingParams(grammar="root ::= undefined_rule"), "guided_grammar"),
     (GuidedDecodingParams(structural_tag='{"no": "format"}'), "structural_tag"),
     (GuidedDecodingParams(json={"type": "object"}, whitespace_pattern=r"[ ]?"), "guided_whitespace_pattern"),
-])
+]
+
+
+@pytest.mark.parametrize("params, field", UNCOMPILABLE)
 def test_uncompilable_spec_names_the_field(compiler, params, field):
     params.validate()  # well-formed: only compilation can tell
     with pytest.raises(GrammarCompileError) as info:
@@ -169,6 +172,20 @@ def test_uncompilable_spec_names_the_field(compiler, params, field):
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: cannot compile") or field == "guided_whitespace_pattern"
     assert "/project/cpp" not in str(info.value)  # xgrammar's source locations are stripped
+
+
+@pytest.mark.parametrize("params, field", UNCOMPILABLE)
+def test_intake_check_agrees_with_the_compiler(params, field):
+    with pytest.raises(GrammarCompileError) as info:
+        check_compiles(params)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("params", [GuidedDecodingParams(json=schema) for schema in SCHEMAS.values()] + [
+    GuidedDecodingParams(regex=r"\d+"), GuidedDecodingParams(choice=['a"', "b"]),
+    GuidedDecodingParams(grammar=ARITHMETIC), GuidedDecodingParams(json_object=True)])
+def test_intake_check_passes_good_specs(params):
+    check_compiles(params)
 
 
 def test_cache_returns_the_same_compiled_object(compiler):
