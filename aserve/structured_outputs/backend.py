@@ -11,28 +11,19 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import xgrammar as xgr
 
-from aserve.structured_outputs.params import GuidedDecodingParams, check_backend_name, field_name
+from aserve.structured_outputs.cache import SpecCache
+from aserve.structured_outputs.params import GrammarCompileError, GuidedDecodingParams, field_name
 from aserve.structured_outputs.state import GrammarState
 
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
 
-class GrammarCompileError(ValueError):
-    """A spec that the grammar backend cannot compile; `field` names the request field
-    (e.g. "guided_json", "guided_regex"), so intake can answer 400 with `param` = field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+__all__ = ["GrammarCompileError", "GrammarCompiler", "check_compiles", "choice_grammar", "load_tokenizer_info"]
 
 
 def _clean(error: Exception) -> str:
@@ -92,58 +83,28 @@ class GrammarCompiler:
     `compile(params)` returns the same `xgr.CompiledGrammar` object for equal `spec_key()`s while
     it stays cached, and raises `GrammarCompileError(field, message)` when the spec does not
     compile. `new_state(compiled)` makes a fresh per-request matcher.
-    `backend` is the engine's `--guided-decoding-backend`: "auto" and "xgrammar" are served here;
-    anything else raises ValueError (see `params.check_backend_name`).
     """
 
+    name = "xgrammar"
+
     def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
-                 backend: str = "auto", max_cached: int = 256, max_threads: int = 2,
+                 max_cached: int = 256, max_threads: int = 2,
                  tokenizer_info: xgr.TokenizerInfo | None = None):
-        check_backend_name(backend)  # ValueError for anything but auto / xgrammar
         self.tokenizer_info = tokenizer_info or load_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.vocab_size = self.tokenizer_info.vocab_size
         self.stop_token_ids = list(self.tokenizer_info.stop_token_ids)
-        self.max_cached = max_cached
         # Our LRU keyed by spec replaces xgrammar's own cache (which is keyed by the raw arguments).
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
                                              cache_enabled=False)
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache = SpecCache(max_cached)
 
     @property
     def num_cached(self) -> int:
-        with self._lock:
-            return sum(1 for f in self._cache.values() if f.done())
+        return len(self._cache)
 
     def compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         """The compiled grammar for a validated spec (cached); raises GrammarCompileError."""
-        key = params.spec_key()
-        with self._lock:
-            future = self._cache.get(key)
-            owner = future is None
-            if owner:
-                future = self._cache[key] = Future()
-            else:
-                self._cache.move_to_end(key)
-        if owner:
-            try:
-                future.set_result(self._compile_uncached(params))
-            except BaseException as e:
-                with self._lock:  # failures are not cached: the next request retries
-                    if self._cache.get(key) is future:
-                        del self._cache[key]
-                future.set_exception(e)
-                raise
-            self._evict()
-        return future.result()
-
-    def _evict(self) -> None:
-        with self._lock:
-            while len(self._cache) > self.max_cached:
-                oldest = next(iter(self._cache))
-                if not self._cache[oldest].done():
-                    break
-                del self._cache[oldest]
+        return self._cache.get_or_compile(params.spec_key(), lambda: self._compile_uncached(params))
 
     def _compile_uncached(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         kind = params.kind

@@ -11,6 +11,7 @@ whose `GrammarCompileError` names the same fields as `field_name()` below.
 
 from __future__ import annotations
 
+import importlib.util
 import json as _json
 from typing import Any
 
@@ -35,8 +36,17 @@ _FIELD_NAMES = {
 GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
 # vLLM backends we recognise but do not ship: they fail at start-up with this hint.
 _UNSUPPORTED_BACKENDS = ("outlines", "lm-format-enforcer")
-# Named by issue 12; refused at start-up until the llguidance integration exists.
-_NOT_YET_AVAILABLE = ("guidance",)
+
+
+class GrammarCompileError(ValueError):
+    """A spec that the grammar backend cannot compile; `field` names the request field
+    (e.g. "guided_json", "guided_regex"), so intake can answer 400 with `param` = field.
+    Defined here (not in a backend module) so the engine can catch it without importing xgrammar."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 def field_name(kind: str) -> str:
@@ -47,22 +57,21 @@ def field_name(kind: str) -> str:
 def check_backend_name(name: str) -> str:
     """Normalises a guided-decoding backend name; raises ValueError with a user-facing message.
 
-    Accepts "auto" and "xgrammar" (case-insensitive; vLLM's option suffix such as
-    "xgrammar:no-fallback" is accepted and dropped).
-    "guidance" is recognised but not available yet (a clear error rather than a silent
-    substitution); "outlines" and "lm-format-enforcer" are vLLM backends aserve does not ship.
+    Accepts "auto", "xgrammar" and "guidance" (case-insensitive; vLLM's option suffix such as
+    "xgrammar:no-fallback" is accepted and dropped); "guidance" needs the llguidance package.
+    "outlines" and "lm-format-enforcer" are vLLM backends aserve does not ship: a clear error.
     Returns the bare lower-case name.
     """
     bare = str(name).strip().lower().split(":", 1)[0]
     if bare in _UNSUPPORTED_BACKENDS:
         raise ValueError(
             f"guided decoding backend {bare!r} is not supported by aserve; "
-            "use 'auto' or 'xgrammar' (xgrammar serves every kind of spec)")
+            "use 'auto', 'xgrammar' or 'guidance'")
     if bare not in GUIDED_DECODING_BACKENDS:
-        raise ValueError(f"unknown guided decoding backend {name!r}; use 'auto' or 'xgrammar'")
-    if bare in _NOT_YET_AVAILABLE:
-        raise ValueError(f"guided decoding backend {bare!r} is not available in this build "
-                         "(the llguidance integration is not implemented yet); use 'auto' or 'xgrammar'")
+        raise ValueError(f"unknown guided decoding backend {name!r}; use 'auto', 'xgrammar' or 'guidance'")
+    if bare == "guidance" and importlib.util.find_spec("llguidance") is None:
+        raise ValueError("guided decoding backend 'guidance' needs the llguidance package "
+                         "(pip install llguidance); use 'auto' or 'xgrammar'")
     return bare
 
 
@@ -81,12 +90,13 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     object/value) or `structural_tag` (xgrammar's structural-tag JSON, a string or dict) is set.
 
     Options: `backend` (None = the engine's `--guided-decoding-backend`), `whitespace_pattern`
-    (JSON only; xgrammar supports only the empty pattern "" = no free whitespace),
+    (JSON only; a regex for the whitespace between JSON tokens: xgrammar supports only "" = none,
+    the guidance backend any pattern, and "auto" picks guidance for a non-empty one),
     `disable_any_whitespace` (JSON compact: no free whitespace between tokens),
     `disable_additional_properties` (accepted for vLLM compatibility: xgrammar always compiles
     JSON schemas strictly, i.e. properties not in the schema are never generated unless the
-    schema allows them explicitly, which satisfies OpenAI's `strict: true`), `disable_fallback`
-    (accepted; there is no fallback backend).
+    schema allows them explicitly, which satisfies OpenAI's `strict: true`; the guidance backend
+    follows the schema as written), `disable_fallback` (accepted; backends do not fall back).
 
     The constructor normalises (pydantic class -> dict, structural_tag dict -> str) but does not
     validate: call `validate()` (SamplingParams does, at intake).

@@ -22,10 +22,18 @@ def eos_token_id(smol_tokenizer) -> int:
 
 
 @pytest.fixture(scope="session")
-def compiler(smol_tokenizer, model_vocab_size, eos_token_id):
-    from aserve.structured_outputs.backend import GrammarCompiler
+def compilers(smol_tokenizer, model_vocab_size, eos_token_id):
+    from aserve.structured_outputs.registry import StructuredOutputCompilers
 
-    return GrammarCompiler(smol_tokenizer, model_vocab_size, stop_token_ids=[eos_token_id])
+    return StructuredOutputCompilers(smol_tokenizer, model_vocab_size, stop_token_ids=[eos_token_id])
+
+
+@pytest.fixture(scope="session", params=["xgrammar", "guidance"])
+def compiler(request, compilers):
+    """Each backend's compiler (GrammarCompiler / GuidanceCompiler share one contract)."""
+    if request.param == "guidance":
+        pytest.importorskip("llguidance")
+    return compilers.compiler(request.param)
 
 
 @pytest.fixture(scope="session")

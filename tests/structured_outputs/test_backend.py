@@ -8,8 +8,10 @@ import threading
 
 import pytest
 
-from aserve.structured_outputs.backend import GrammarCompileError, check_compiles, choice_grammar
-from aserve.structured_outputs.params import GuidedDecodingParams
+from aserve.structured_outputs.backend import choice_grammar
+from aserve.structured_outputs.cache import SpecCache
+from aserve.structured_outputs.params import GrammarCompileError, GuidedDecodingParams
+from aserve.structured_outputs.registry import check_spec, resolve_backend
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -139,7 +141,9 @@ def test_ebnf_grammar_outputs_parse(sample):
         _parse_arithmetic(out.text)
 
 
-def test_structural_tag_compiles_and_constrains(sample):
+def test_structural_tag_compiles_and_constrains(compiler, sample):
+    if compiler.name == "guidance":
+        pytest.skip("structural_tag is served by xgrammar only")
     tag = {"type": "structural_tag",
            "format": {"type": "sequence", "elements": [
                {"type": "const_string", "value": "<answer>"},
@@ -164,28 +168,57 @@ UNCOMPILABLE = [
 ]
 
 
+XGRAMMAR_ONLY_ERRORS = {"guided_whitespace_pattern"}  # guidance supports any whitespace pattern
+
+
 @pytest.mark.parametrize("params, field", UNCOMPILABLE)
 def test_uncompilable_spec_names_the_field(compiler, params, field):
     params.validate()  # well-formed: only compilation can tell
+    if compiler.name == "guidance" and field in XGRAMMAR_ONLY_ERRORS:
+        compiler.compile(params)
+        return
     with pytest.raises(GrammarCompileError) as info:
         compiler.compile(params)
     assert info.value.field == field
-    assert str(info.value).startswith(f"{field}: cannot compile") or field == "guided_whitespace_pattern"
+    assert str(info.value).startswith(f"{field}: ")
     assert "/project/cpp" not in str(info.value)  # xgrammar's source locations are stripped
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("params, field", UNCOMPILABLE)
-def test_intake_check_agrees_with_the_compiler(params, field):
+def test_intake_check_agrees_with_the_compiler(backend, params, field):
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+    if backend == "guidance" and field in XGRAMMAR_ONLY_ERRORS:
+        check_spec(params, backend)
+        return
     with pytest.raises(GrammarCompileError) as info:
-        check_compiles(params)
+        check_spec(params, backend)
     assert info.value.field == field
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("params", [GuidedDecodingParams(json=schema) for schema in SCHEMAS.values()] + [
     GuidedDecodingParams(regex=r"\d+"), GuidedDecodingParams(choice=['a"', "b"]),
     GuidedDecodingParams(grammar=ARITHMETIC), GuidedDecodingParams(json_object=True)])
-def test_intake_check_passes_good_specs(params):
-    check_compiles(params)
+def test_intake_check_passes_good_specs(backend, params):
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+    check_spec(params, backend)
+
+
+def test_auto_backend_routes_what_only_guidance_serves():
+    pytest.importorskip("llguidance")
+    assert resolve_backend(GuidedDecodingParams(regex="a")) == "xgrammar"
+    assert resolve_backend(GuidedDecodingParams(json={}, whitespace_pattern=" ?")) == "guidance"
+    assert resolve_backend(GuidedDecodingParams(json={}, whitespace_pattern=" ?"), "xgrammar") == "xgrammar"
+    assert resolve_backend(GuidedDecodingParams(regex="a", backend="guidance"), "xgrammar") == "guidance"
+
+
+def test_unusable_request_backend_is_a_field_error(compilers):
+    with pytest.raises(GrammarCompileError) as info:
+        compilers.compile(GuidedDecodingParams(regex="a", backend="outlines"))
+    assert info.value.field == "guided_decoding_backend"
 
 
 def test_cache_returns_the_same_compiled_object(compiler):
@@ -203,17 +236,15 @@ def test_failures_are_not_cached(compiler):
             compiler.compile(bad)
 
 
-def test_lru_evicts_oldest(smol_tokenizer, model_vocab_size, compiler):
-    from aserve.structured_outputs.backend import GrammarCompiler
-
-    small = GrammarCompiler(smol_tokenizer, model_vocab_size, max_cached=2,
-                            tokenizer_info=compiler.tokenizer_info)
-    first = small.compile(GuidedDecodingParams(regex="a"))
-    small.compile(GuidedDecodingParams(regex="b"))
-    assert small.compile(GuidedDecodingParams(regex="a")) is first  # refreshed: "b" is now oldest
-    small.compile(GuidedDecodingParams(regex="c"))
-    assert small.num_cached == 2
-    assert small.compile(GuidedDecodingParams(regex="a")) is first
+def test_lru_evicts_oldest():
+    cache = SpecCache(max_entries=2)
+    first = cache.get_or_compile("a", object)
+    cache.get_or_compile("b", object)
+    assert cache.get_or_compile("a", object) is first  # refreshed: "b" is now the oldest
+    cache.get_or_compile("c", object)
+    assert len(cache) == 2
+    assert cache.get_or_compile("a", object) is first
+    assert cache.get_or_compile("b", lambda: "recompiled") == "recompiled"
 
 
 def test_concurrent_compiles_of_one_spec_share_the_result(compiler):
@@ -239,3 +270,14 @@ def test_tokens_past_the_tokenizer_are_never_allowed(compiler, smol_tokenizer):
     apply_bitmask(logits, BitmaskBuilder(compiler.vocab_size, 1).fill([0], [state]), [0])
     allowed = torch.isfinite(logits[0]).nonzero().flatten()
     assert allowed.numel() > 0 and int(allowed.max()) < len(smol_tokenizer)
+
+
+def test_guidance_follows_a_whitespace_pattern(compiler, sample):
+    if compiler.name != "guidance":
+        pytest.skip("xgrammar supports only the empty whitespace pattern")
+    schema = SCHEMAS["enums_and_bounded_arrays"]
+    outputs = sample(GuidedDecodingParams(json=schema, whitespace_pattern=r"[ ]?"), n=4, seed=9)
+    _all_finished(outputs)
+    for out in outputs:
+        jsonschema.validate(json.loads(out.text), schema)
+        assert "\n" not in out.text and "  " not in out.text

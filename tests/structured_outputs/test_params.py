@@ -89,26 +89,27 @@ def test_msgspec_round_trip():
 
 
 @pytest.mark.parametrize("name, expected", [("auto", "auto"), ("XGrammar", "xgrammar"),
-                                            ("xgrammar:no-fallback", "xgrammar")])
+                                            ("xgrammar:no-fallback", "xgrammar"), ("guidance", "guidance")])
 def test_backend_names_accepted(name, expected):
+    if expected == "guidance":
+        pytest.importorskip("llguidance")
     assert check_backend_name(name) == expected
 
 
 @pytest.mark.parametrize("name, words", [("outlines", "not supported"),
                                          ("lm-format-enforcer", "not supported"),
-                                         ("guidance", "not available"),
                                          ("magic", "unknown")])
 def test_backend_names_refused_with_a_clear_message(name, words):
     with pytest.raises(ValueError, match=words):
         check_backend_name(name)
 
 
-def test_params_module_stays_light():
-    """sampling_params will import this module: it must not pull torch or xgrammar."""
+def test_light_modules_stay_light():
+    """sampling_params and intake will import these modules: they must not pull torch or xgrammar."""
     import subprocess
     import sys
 
-    code = ("import sys, aserve.structured_outputs.params, aserve.structured_outputs; "
-            "bad = [m for m in ('torch', 'xgrammar') if m in sys.modules]; "
+    code = ("import sys, aserve.structured_outputs.params, aserve.structured_outputs.registry; "
+            "bad = [m for m in ('torch', 'xgrammar', 'llguidance') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
