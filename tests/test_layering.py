@@ -15,6 +15,8 @@ FORBIDDEN = {
     "config": ["torch", "anyio", "aserve.core", "aserve.engine", "aserve.server", "aserve.model",
                "aserve.runner", "aserve.executor"],
     "sampling_params.py": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.runner"],
+    "structured_outputs/params.py": ["torch", "xgrammar", "aserve.core", "aserve.engine", "aserve.server",
+                                     "aserve.runner", "aserve.model."],
     "outputs.py": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.runner"],
     "core": ["torch", "anyio", "aserve.engine", "aserve.server", "aserve.runner", "aserve.model",
              "aserve.executor", "starlette", "numpy"],

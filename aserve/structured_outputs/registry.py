@@ -1,0 +1,96 @@
+"""`StructuredOutputCompilers`: the runner's one entry point; routes each spec to a backend.
+
+Backend choice per request: `params.backend` if set, else the engine's default
+(`--guided-decoding-backend`). "auto" means xgrammar, except for what only guidance can serve
+(a non-empty JSON `whitespace_pattern`) when llguidance is installed. Compilers are built lazily,
+one per backend, and each caches its grammars by spec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+from aserve.structured_outputs.params import (
+    GrammarCompileError,
+    GuidedDecodingParams,
+    check_backend_name,
+    field_name,
+)
+
+
+def resolve_backend(params: GuidedDecodingParams, default_backend: str = "auto") -> str:
+    """"xgrammar" or "guidance" for a validated spec; ValueError for an unusable backend name."""
+    name = check_backend_name(params.backend or default_backend)
+    if name != "auto":
+        return name
+    if params.whitespace_pattern and importlib.util.find_spec("llguidance") is not None:
+        return "guidance"
+    return "xgrammar"
+
+
+def check_spec(params: GuidedDecodingParams, default_backend: str = "auto") -> None:
+    """Intake check without a tokenizer (cheap; run it in a worker thread): raises
+    GrammarCompileError(field, message) for a spec the chosen backend cannot compile."""
+    try:
+        backend = resolve_backend(params, default_backend)
+    except ValueError as e:
+        raise GrammarCompileError(field_name("backend"), str(e)) from None
+    if backend == "guidance":
+        import llguidance
+
+        from aserve.structured_outputs.guidance import grammar_spec
+
+        error = llguidance.LLMatcher.validate_grammar(grammar_spec(params))
+        if error:
+            raise GrammarCompileError(field_name(params.kind), f"cannot compile: {error.strip()}")
+    else:
+        from aserve.structured_outputs.backend import check_compiles
+
+        check_compiles(params)
+
+
+class StructuredOutputCompilers:
+    """Compilers for one tokenizer and model vocabulary, one per backend, built on first use.
+
+    `compile(params)` returns the backend's cached grammar; `state_for(params, output_token_ids)`
+    returns a fresh per-request state (xgrammar `GrammarState` or guidance `GuidanceState`, same
+    contract) advanced past `output_token_ids`. Both raise GrammarCompileError naming the field.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
+                 default_backend: str = "auto", max_cached: int = 256):
+        self.default_backend = check_backend_name(default_backend)
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._stop_token_ids = list(stop_token_ids) if stop_token_ids else None
+        self._max_cached = max_cached
+        self._compilers: dict[str, Any] = {}
+
+    def compiler(self, backend: str) -> Any:
+        """The compiler for "xgrammar" or "guidance" (built on first use)."""
+        compiler = self._compilers.get(backend)
+        if compiler is None:
+            if backend == "guidance":
+                from aserve.structured_outputs.guidance import GuidanceCompiler as cls
+            else:
+                from aserve.structured_outputs.backend import GrammarCompiler as cls
+            compiler = self._compilers[backend] = cls(self._tokenizer, self.vocab_size,
+                                                      stop_token_ids=self._stop_token_ids,
+                                                      max_cached=self._max_cached)
+        return compiler
+
+    def _compiler_for(self, params: GuidedDecodingParams) -> Any:
+        try:
+            return self.compiler(resolve_backend(params, self.default_backend))
+        except ValueError as e:
+            if isinstance(e, GrammarCompileError):
+                raise
+            raise GrammarCompileError(field_name("backend"), str(e)) from None
+
+    def compile(self, params: GuidedDecodingParams) -> Any:
+        return self._compiler_for(params).compile(params)
+
+    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = ()) -> Any:
+        return self._compiler_for(params).state_for(params, output_token_ids)
