@@ -106,7 +106,10 @@ class ToolParser:
         return self._take()
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """Parse a complete output: (content or None, calls). A late failure gives (text, [])."""
+        """Parse a complete output: (content or None, calls). A late failure gives (text, []).
+
+        Call it on a fresh parser (it feeds and finishes this one).
+        """
         deltas = self.feed(text) + self.finish()
         if self.failed:
             return (text or None), []

@@ -39,16 +39,16 @@ class CallReader:
     """One call object in progress; `feed` returns NEED_MORE, COMPLETE or ERROR (then stop feeding)."""
 
     __slots__ = (
-        "_cursor",
+        "_args",
         "_args_keys",
+        "_args_started",
+        "_args_taken",
+        "_cursor",
         "_key",
         "_value",
         "_value_key",
-        "_args",
-        "_args_taken",
-        "_args_started",
-        "name",
         "complete",
+        "name",
     )
 
     def __init__(self, args_keys: tuple[str, ...]) -> None:

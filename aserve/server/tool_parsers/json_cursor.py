@@ -57,7 +57,7 @@ _N_TERMINAL = frozenset({_N_ZERO, _N_INT, _N_FRAC, _N_EXP})
 class JsonCursor:
     """Validates one JSON value character by character; see the module docstring for the contract."""
 
-    __slots__ = ("_stack", "_state", "_is_key", "_num", "_literal", "_hex_left", "events")
+    __slots__ = ("_hex_left", "_is_key", "_literal", "_num", "_stack", "_state", "events")
 
     def __init__(self) -> None:
         self._stack: list[str] = []  # '{' or '[' per open container

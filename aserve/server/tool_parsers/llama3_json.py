@@ -25,7 +25,7 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._mode = _START
-        self._tag_seen = False
+        self._separator_seen = False  # a ';' was read after the last call
 
     def _step(self, text: str, i: int) -> int:
         if self._mode == _CALL:
@@ -40,12 +40,11 @@ class Llama3JsonToolParser(ToolParser):
                 self._start_section(lead)
                 self._mode = _CALL
                 return len(text) - len(stripped)
-            if not self._tag_seen and stripped.startswith(PYTHON_TAG):
-                self._tag_seen = True  # calls may follow; the tag itself is never content
+            if stripped.startswith(PYTHON_TAG):  # calls follow; the tag is content only if they fail
                 self._start_section(lead + PYTHON_TAG)
                 self._mode = _CALL
                 return len(text) - len(stripped) + len(PYTHON_TAG)
-            if not self._tag_seen and PYTHON_TAG.startswith(stripped):
+            if PYTHON_TAG.startswith(stripped):
                 return self._hold(rest)
             self._plain = True  # not a tool-call output
             return i
@@ -56,23 +55,20 @@ class Llama3JsonToolParser(ToolParser):
             if ch == "{":
                 self._start_section("")
                 self._mode = _CALL
+                self._separator_seen = False
                 return j
-            if ch == ";" and not self._section_raw_has_separator():
-                self._section_raw.append(";")
+            if ch == ";" and not self._separator_seen:
+                self._separator_seen = True
             elif not ch.isspace():
-                self._section_raw = []
                 self._plain = True
                 self._strip_leading = True
                 return j
             j += 1
         return j
 
-    def _section_raw_has_separator(self) -> bool:
-        return ";" in self._section_raw
-
     def _after_call(self) -> None:
         self._mode = _BETWEEN
-        self._section_raw = []
+        self._separator_seen = False
 
     def _after_early_failure(self) -> None:
         self._plain = True

@@ -43,7 +43,11 @@ def with_tools_system_prompt(
     block = render_hermes_tools_prompt(tools)
     if not block:
         return list(conversation)
-    if conversation and conversation[0].get("role") == "system" and isinstance(conversation[0].get("content"), str):
+    if (
+        conversation
+        and conversation[0].get("role") == "system"
+        and isinstance(conversation[0].get("content"), str)
+    ):
         first = dict(conversation[0])
         first["content"] = f"{first['content']}\n\n{block}" if first["content"] else block
         return [first, *conversation[1:]]

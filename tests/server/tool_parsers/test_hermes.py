@@ -18,19 +18,39 @@ NESTED = '{"name": "book", "arguments": ' + NESTED_ARGS + "}"
 
 # (output, expected content, expected [(name, arguments)])
 CASES = [
-    (f"<tool_call>\n{WEATHER}\n</tool_call>", None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    (
+        f"<tool_call>\n{WEATHER}\n</tool_call>",
+        None,
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}')],
+    ),
     (
         f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{NESTED}\n</tool_call>\n",
         None,
         [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("book", NESTED_ARGS)],
     ),
-    (f"Let me look that up.\n<tool_call>{WEATHER}</tool_call>", "Let me look that up.", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
-    (f"A\n<tool_call>{WEATHER}</tool_call>\nB then C\n", "A\nB then C\n", [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
+    (
+        f"Let me look that up.\n<tool_call>{WEATHER}</tool_call>",
+        "Let me look that up.",
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}')],
+    ),
+    (
+        f"A\n<tool_call>{WEATHER}</tool_call>\nB then C\n",
+        "A\nB then C\n",
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}')],
+    ),
     # arguments before the name: the header still comes first
-    ('<tool_call>{"arguments": {"q": [1, {"r": 2}]}, "name": "search"}</tool_call>', None, [("search", '{"q": [1, {"r": 2}]}')]),
+    (
+        '<tool_call>{"arguments": {"q": [1, {"r": 2}]}, "name": "search"}</tool_call>',
+        None,
+        [("search", '{"q": [1, {"r": 2}]}')],
+    ),
     # no closing tag: the output ended, or the next block starts
     (f"<tool_call>{WEATHER}", None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')]),
-    (f"<tool_call>{WEATHER}<tool_call>{WEATHER}", None, [("get_weather", '{"city": "Paris", "unit": "celsius"}')] * 2),
+    (
+        f"<tool_call>{WEATHER}<tool_call>{WEATHER}",
+        None,
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}')] * 2,
+    ),
     # a call without arguments gets an empty object
     ('<tool_call>{"name": "now"}</tool_call>', None, [("now", "{}")]),
     # not calls: content, verbatim
@@ -38,8 +58,16 @@ CASES = [
     ("I use <tool_call> tags sometimes", "I use <tool_call> tags sometimes", []),
     ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-    ('<tool_call>{"name": 3, "arguments": {}}</tool_call>', '<tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
-    ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', '<tool_call>{"name": "f", "arguments": "x"}</tool_call>', []),
+    (
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "x"}</tool_call>',
+        [],
+    ),
     ('<tool_call>["f"]</tool_call>', '<tool_call>["f"]</tool_call>', []),
     ('<tool_call>{"name": "f"', '<tool_call>{"name": "f"', []),  # ended before the call was known
     ("partial <tool_ca", "partial <tool_ca", []),
@@ -57,7 +85,7 @@ def test_extract_and_every_split_agree(text, content, calls):
 
 
 def test_arguments_are_the_models_text_unchanged():
-    content, calls = HermesToolParser().extract(f"<tool_call>{NESTED}</tool_call>")
+    _, calls = HermesToolParser().extract(f"<tool_call>{NESTED}</tool_call>")
     assert calls[0].arguments == NESTED_ARGS
     assert json.loads(calls[0].arguments)["guest"]["name"] == 'Zoë "Z" Ødegård'
 
@@ -68,8 +96,12 @@ def test_stream_sends_header_then_fragments_as_they_arrive():
     assert parser.feed('{"name": "get_wea') == []  # the name is not complete yet
     head = parser.feed('ther", "arguments": {"ci')
     assert [d.tool_calls[0].to_openai() for d in head] == [
-        {"index": 0, "id": head[0].tool_calls[0].id, "type": "function",
-         "function": {"name": "get_weather", "arguments": ""}},
+        {
+            "index": 0,
+            "id": head[0].tool_calls[0].id,
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": ""},
+        },
         {"index": 0, "function": {"arguments": '{"ci'}},
     ]
     assert head[0].tool_calls[0].id.startswith("call_")
@@ -82,7 +114,9 @@ def test_stream_sends_header_then_fragments_as_they_arrive():
 def test_ids_are_unique_across_calls_and_parsers():
     ids = set()
     for _ in range(20):
-        _, calls = HermesToolParser().extract(f"<tool_call>{WEATHER}</tool_call><tool_call>{WEATHER}</tool_call>")
+        _, calls = HermesToolParser().extract(
+            f"<tool_call>{WEATHER}</tool_call><tool_call>{WEATHER}</tool_call>"
+        )
         ids.update(c.id for c in calls)
     assert len(ids) == 40
 
@@ -98,7 +132,7 @@ def test_a_call_broken_after_its_header_stands_in_the_stream_but_not_in_extract(
     streamed = replay(HermesToolParser, list(text))
     assert streamed.failed
     assert streamed.calls == [("f", '{"a": 1,')]
-    assert streamed.content == '}}</tool_call> bye'
+    assert streamed.content == "}}</tool_call> bye"
     parser = HermesToolParser()
     assert parser.extract(text) == (text, [])
     assert parser.failed

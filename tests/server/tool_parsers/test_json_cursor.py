@@ -71,9 +71,25 @@ def test_agrees_with_json_loads_on_mutations(value, data):
 
 @pytest.mark.parametrize(
     "text",
-    ['{"a": 01}', '{"a": 1.}', '{"a": .5}', '{"a": 1e}', '{"a": -}', '{"a": tru}', '{"a": "\\x"}',
-     '{"a": "\\u12g4"}', '{"a": "tab\there"}', '{a: 1}', '{"a" 1}', '{"a": 1,}', "[1,]", "[1 2]",
-     '{"a": 1}}', '{"a": NaN}', "{} x"],
+    [
+        '{"a": 01}',
+        '{"a": 1.}',
+        '{"a": .5}',
+        '{"a": 1e}',
+        '{"a": -}',
+        '{"a": tru}',
+        '{"a": "\\x"}',
+        '{"a": "\\u12g4"}',
+        '{"a": "tab\there"}',
+        "{a: 1}",
+        '{"a" 1}',
+        '{"a": 1,}',
+        "[1,]",
+        "[1 2]",
+        '{"a": 1}}',
+        '{"a": NaN}',
+        "{} x",
+    ],
 )
 def test_rejects_invalid_json(text):
     assert not _cursor_accepts(text)
