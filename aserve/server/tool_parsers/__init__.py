@@ -25,7 +25,11 @@ from aserve.server.tool_parsers.constrained import (
 from aserve.server.tool_parsers.hermes import HermesToolParser
 from aserve.server.tool_parsers.json_array import MistralToolParser
 from aserve.server.tool_parsers.llama3_json import Llama3JsonToolParser
-from aserve.server.tool_parsers.prompt import render_hermes_tools_prompt, with_tools_system_prompt
+from aserve.server.tool_parsers.prompt import (
+    hermes_tool_calls_text,
+    render_hermes_tools_prompt,
+    with_tools_system_prompt,
+)
 from aserve.server.tool_parsers.types import StreamDelta, ToolCall, ToolCallDelta
 
 TOOL_PARSERS = MappingProxyType(
@@ -58,6 +62,7 @@ __all__ = [
     "ToolSpecError",
     "constrained_tool_parser",
     "get_tool_parser",
+    "hermes_tool_calls_text",
     "named_function",
     "render_hermes_tools_prompt",
     "tool_call_json_schema",

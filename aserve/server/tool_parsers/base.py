@@ -17,8 +17,8 @@ this base class gives them:
 - the two failure paths. A call that fails before its header was due ("early": not JSON, no name,
   arguments not an object, or the output ends first) is given back as content, raw, from where its
   section started, and parsing resumes at the offending character. A call that fails after its
-  header was due ("late": invalid JSON inside the arguments, or the output ends inside them) cannot
-  be taken back from a stream: the streamed call stands as sent, the rest of the output is content,
+  header was due ("late": invalid JSON from the arguments on, or the output ends before the call
+  object closes) cannot be taken back from a stream: the streamed call stands as sent, the rest of the output is content,
   and `failed` is True.
 
 `extract(text)` runs the same machine over the whole text, so streaming (split anywhere) and

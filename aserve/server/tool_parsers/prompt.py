@@ -1,7 +1,9 @@
-"""The `tools` list as a hermes-style system-prompt block, for chat templates that do not render tools.
+"""Hermes-style text for chat templates that do not render tools or tool calls.
 
-SmolLM2's template (and the bundled chatml one) ignore `tools`; prepending this block to the system
-message teaches the model the `<tool_call>` format that the `hermes` parser reads.
+SmolLM2's template (and the bundled chatml one) ignore `tools` and an assistant message's
+`tool_calls`; prepending the tools block to the system message teaches the model the
+`<tool_call>` format that the `hermes` parser reads, and `hermes_tool_calls_text` writes earlier
+calls in the history in that same format.
 """
 
 from __future__ import annotations
@@ -52,3 +54,23 @@ def with_tools_system_prompt(
         first["content"] = f"{first['content']}\n\n{block}" if first["content"] else block
         return [first, *conversation[1:]]
     return [{"role": "system", "content": block}, *conversation]
+
+
+def hermes_tool_calls_text(tool_calls: list[dict[str, Any]]) -> str:
+    """An assistant message's OpenAI `tool_calls` as `<tool_call>` blocks, one per call, newline-separated.
+
+    `function.arguments` may be the JSON text (as OpenAI sends it) or an already-decoded object;
+    text that is not JSON is kept as a string.
+    """
+    blocks = []
+    for call in tool_calls:
+        function = call.get("function") or {}
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                pass
+        body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+        blocks.append(f"{START}\n{body}\n{END}")
+    return "\n".join(blocks)

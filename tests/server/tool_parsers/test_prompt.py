@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
-from aserve.server.tool_parsers import render_hermes_tools_prompt, with_tools_system_prompt
+from aserve.server.tool_parsers import (
+    HermesToolParser,
+    hermes_tool_calls_text,
+    render_hermes_tools_prompt,
+    with_tools_system_prompt,
+)
 
 TOOLS = [
     {
@@ -33,3 +38,21 @@ def test_block_joins_an_existing_system_message_or_becomes_one():
     assert conversation[0]["content"] == "Be brief."  # the input is not modified
     assert with_tools_system_prompt([user], TOOLS) == [{"role": "system", "content": block}, user]
     assert with_tools_system_prompt([user], []) == [user]
+
+
+def test_history_calls_render_in_the_format_the_parser_reads():
+    calls = [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        },
+        {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": ""}},
+    ]
+    text = hermes_tool_calls_text(calls)
+    content, parsed = HermesToolParser().extract(text)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("now", {}),
+    ]
