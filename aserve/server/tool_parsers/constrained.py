@@ -1,0 +1,165 @@
+"""`tool_choice` enforced by a grammar: the JSON schema to constrain to, and reading its output back.
+
+The scheme is vLLM's:
+- `tool_choice="required"`: the model writes a JSON array of one or more
+  `{"name": <one of the tools>, "parameters": <that tool's arguments>}` objects (at most one when
+  `parallel_tool_calls` is false). `RequiredToolChoiceParser` reads it, streaming or not.
+- a named function (`{"type": "function", "function": {"name": X}}`): the model writes only the
+  arguments object of X, under X's parameter schema; `NamedToolChoiceParser` turns the whole output
+  into that one call.
+- `"none"`, `"auto"` or no choice: no grammar (None).
+
+Malformed `tools` or an unknown named function raise `ToolSpecError` naming the request field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aserve.server.tool_parsers.base import ToolParser
+from aserve.server.tool_parsers.json_array import JsonArrayToolParser
+from aserve.server.tool_parsers.types import StreamDelta, ToolCall, ToolCallDelta, openai_tool_call_id
+
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class ToolSpecError(ValueError):
+    """`tools` or `tool_choice` cannot be turned into a grammar; `param` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _function(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        raise ToolSpecError(f"tools[{i}]", "only tools of type 'function' are served")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ToolSpecError(f"tools[{i}].function.name", "a function tool needs a non-empty name")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ToolSpecError(f"tools[{i}].function.parameters", "must be a JSON schema object")
+    return function
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    return function.get("parameters") or dict(_EMPTY_PARAMETERS)
+
+
+def named_function(tool_choice: Any) -> str | None:
+    """The function name a named `tool_choice` forces, or None for the string choices."""
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
+            raise ToolSpecError("tool_choice", "a named tool_choice is {type: function, function: {name}}")
+        return name
+    return None
+
+
+def tool_call_json_schema(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool = True
+) -> dict[str, Any] | None:
+    """The JSON schema that enforces `tool_choice` over `tools`, or None when nothing is enforced.
+
+    "required": an array (1 item at least; at most 1 when `parallel_tool_calls` is false) of
+    objects `{"name": const, "parameters": <schema>}`, one alternative per tool.
+    Named function X: X's parameter schema (the output is X's arguments object).
+    """
+    name = named_function(tool_choice)
+    if name is None and tool_choice != "required":
+        return None
+    if not tools:
+        raise ToolSpecError("tools", f"tool_choice {tool_choice!r} needs at least one tool")
+    functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    if name is not None:
+        for function in functions:
+            if function["name"] == name:
+                return _parameters(function)
+        raise ToolSpecError("tool_choice", f"function {name!r} is not among the request's tools")
+    alternatives = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [function["name"]]},
+                "parameters": _parameters(function),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for function in functions
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives},
+    }
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+class RequiredToolChoiceParser(JsonArrayToolParser):
+    """Reads the output of the "required" grammar: `[{"name": ..., "parameters": {...}}, ...]`."""
+
+    name = "required"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(marker=None, args_keys=("parameters",), **kwargs)
+
+
+class NamedToolChoiceParser(ToolParser):
+    """Reads the output of a named-function grammar: the whole output is the arguments of `function`.
+
+    The header is sent with the first `feed`; leading whitespace is dropped, everything else is an
+    argument fragment. `extract` gives (None, [the call]).
+    """
+
+    name = "named"
+
+    def __init__(self, function: str, new_id: Callable[[], str] = openai_tool_call_id) -> None:
+        super().__init__(new_id=new_id)
+        self._function = function
+        self._started = False  # leading whitespace is behind us
+
+    def feed(self, delta: str) -> list[StreamDelta]:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._send_header()
+        if not self._started:
+            delta = delta.lstrip()
+            self._started = bool(delta)
+        if delta:
+            self._out.append(StreamDelta(tool_calls=(ToolCallDelta(index=0, arguments=delta),)))
+        return self._take()
+
+    def finish(self) -> list[StreamDelta]:
+        if not self._finished:
+            self._send_header()
+            self._finished = True
+        return self._take()
+
+    def _send_header(self) -> None:
+        if self._num_calls == 0:
+            self._num_calls = 1
+            header = ToolCallDelta(index=0, id=self._new_id(), name=self._function)
+            self._out.append(StreamDelta(tool_calls=(header,)))
+
+
+def constrained_tool_parser(tool_choice: Any) -> ToolParser | None:
+    """The parser for the output of `tool_call_json_schema(..., tool_choice)`, or None without one."""
+    name = named_function(tool_choice)
+    if name is not None:
+        return NamedToolChoiceParser(name)
+    if tool_choice == "required":
+        return RequiredToolChoiceParser()
+    return None
+
+
+def tool_calls_from_constrained_output(text: str, tool_choice: Any) -> list[ToolCall]:
+    """The calls in a complete grammar-constrained output (empty for a choice with no grammar)."""
+    parser = constrained_tool_parser(tool_choice)
+    return [] if parser is None else parser.extract(text)[1]

@@ -1,0 +1,136 @@
+"""Grammar schemas for tool_choice "required" / named, and reading the constrained output back."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from tool_replay import assert_split_invariant, replay
+
+from aserve.server.tool_parsers import (
+    NamedToolChoiceParser,
+    RequiredToolChoiceParser,
+    ToolSpecError,
+    constrained_tool_parser,
+    tool_call_json_schema,
+    tool_calls_from_constrained_output,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now"}}
+TOOLS = [WEATHER, NOW]
+
+
+def test_required_schema_accepts_calls_to_the_tools_only():
+    schema = tool_call_json_schema(TOOLS, "required")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    good = [
+        [{"name": "get_weather", "parameters": {"city": "Oslo"}}],
+        [
+            {"name": "now", "parameters": {}},
+            {"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}},
+        ],
+    ]
+    bad = [
+        [],
+        [{"name": "get_weather", "parameters": {}}],  # missing a required argument
+        [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "k"}}],
+        [{"name": "unknown", "parameters": {}}],
+        [{"name": "now"}],
+        [{"name": "now", "parameters": {}, "extra": 1}],
+        {"name": "now", "parameters": {}},
+    ]
+    assert all(validator.is_valid(x) for x in good)
+    assert not any(validator.is_valid(x) for x in bad)
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    validator = jsonschema.Draft202012Validator(
+        tool_call_json_schema(TOOLS, "required", parallel_tool_calls=False)
+    )
+    one = [{"name": "now", "parameters": {}}]
+    assert validator.is_valid(one)
+    assert not validator.is_valid(one * 2)
+    assert "maxItems" not in tool_call_json_schema(TOOLS, "required")
+
+
+def test_named_schema_is_the_functions_parameters():
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_call_json_schema(TOOLS, choice) == WEATHER["function"]["parameters"]
+    assert tool_call_json_schema(TOOLS, {"type": "function", "function": {"name": "now"}}) == {
+        "type": "object",
+        "properties": {},
+    }
+
+
+@pytest.mark.parametrize("choice", [None, "none", "auto"])
+def test_no_grammar_without_a_forced_choice(choice):
+    assert tool_call_json_schema(TOOLS, choice) is None
+    assert constrained_tool_parser(choice) is None
+    assert tool_calls_from_constrained_output("[]", choice) == []
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "param"),
+    [
+        (TOOLS, {"type": "function", "function": {"name": "missing"}}, "tool_choice"),
+        (TOOLS, {"type": "function"}, "tool_choice"),
+        ([], "required", "tools"),
+        ([{"type": "retrieval"}], "required", "tools[0]"),
+        ([{"type": "function", "function": {"name": ""}}], "required", "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": []}}],
+            "required",
+            "tools[0].function.parameters",
+        ),
+    ],
+)
+def test_bad_tools_or_choice_name_the_field(tools, choice, param):
+    with pytest.raises(ToolSpecError) as info:
+        tool_call_json_schema(tools, choice)
+    assert info.value.param == param
+
+
+def test_required_output_reads_back_streamed_or_not():
+    text = '[{"name": "get_weather", "parameters": {"city": "Zürich"}}, {"name": "now", "parameters": {}}]'
+    result = assert_split_invariant(RequiredToolChoiceParser, text)
+    assert result.content is None
+    assert result.calls == [("get_weather", '{"city": "Zürich"}'), ("now", "{}")]
+    calls = tool_calls_from_constrained_output(text, "required")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Zürich"}),
+        ("now", {}),
+    ]
+
+
+def test_named_output_is_one_call_whatever_the_split():
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    text = ' {"city": "Paris", "unit": "c"}'
+    (call,) = tool_calls_from_constrained_output(text, choice)
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris", "unit": "c"}')
+    assert call.id.startswith("call_")
+    for k in range(len(text) + 1):
+        streamed = replay(lambda: NamedToolChoiceParser("get_weather"), [text[:k], text[k:]])
+        assert streamed.calls == [("get_weather", '{"city": "Paris", "unit": "c"}')]
+        assert streamed.content is None
+
+
+def test_named_stream_sends_the_header_first():
+    parser = NamedToolChoiceParser("now")
+    first = parser.feed("")
+    assert len(first) == 1 and first[0].tool_calls[0].name == "now"
+    assert parser.feed("{}")[0].tool_calls[0].to_openai() == {"index": 0, "function": {"arguments": "{}"}}
+    assert parser.finish() == []
