@@ -75,4 +75,4 @@ def test_queue_operations_keep_per_client_order_and_put_back_in_front():
     assert [r.request_id for r in q] == ["a0"] and len(q) == 1
     preempted = _req("p", "b")
     q.add_front(preempted)
-    assert [r.request_id for r in q][0] == "p"
+    assert next(iter(q)).request_id == "p"
