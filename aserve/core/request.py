@@ -47,13 +47,15 @@ class Request:
     computed so far (filled lazily by the KV cache manager). `wait_for_req_id` names the leader of
     an n > 1 group: the request is not scheduled until the leader's prompt is computed, so that it
     shares the leader's prompt blocks. `share_prefix` marks members of such a group; their full
-    blocks are hashed and shared even when prefix caching is disabled.
+    blocks are hashed and shared even when prefix caching is disabled. `client_id` names who sent
+    it (a hash of the API key, or None) for fair sharing between clients (`core/fair_queue.py`).
     """
 
     __slots__ = (
         "_all_token_ids",
         "arrival_time",
         "block_hashes",
+        "client_id",
         "eos_token_ids",
         "events",
         "max_tokens",
@@ -82,6 +84,7 @@ class Request:
         wait_for_req_id: str | None = None,
         max_model_len: int | None = None,
         share_prefix: bool = False,
+        client_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -91,6 +94,7 @@ class Request:
         self.priority = priority
         self.wait_for_req_id = wait_for_req_id
         self.share_prefix = share_prefix
+        self.client_id = client_id
         if sampling_params.max_tokens is not None:
             self.max_tokens = sampling_params.max_tokens
         elif max_model_len is not None:
@@ -146,6 +150,20 @@ class Request:
             token_ids = list(token_ids)
             self.output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
+
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """The finished status after `token` was appended (sets stop_reason), or None."""
+        params = self.sampling_params
+        num_outputs = len(self.output_token_ids)
+        if num_outputs >= params.min_tokens:
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_outputs >= self.max_tokens or self.num_prompt_tokens + num_outputs >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
 
     def __repr__(self) -> str:
         return (f"Request(id={self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -3,9 +3,10 @@
 Every step each request's `num_computed_tokens` catches up with its token count under a token
 budget (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`). Running requests
 go first (a decode is one token; a running request still prefilling gets a chunk), then swapped
-requests are swapped back in, then waiting requests are admitted (fcfs: arrival order; priority:
-lower `priority` first, then arrival). When a running request cannot get blocks, the lowest-ranked
-running request is preempted (recompute, or swap when configured) and the allocation retried.
+requests are swapped back in, then waiting requests are admitted (fcfs: arrival order, the batch
+shared fairly between clients, see `fair_queue`; priority: lower `priority` first, then arrival).
+When a running request cannot get blocks, the lowest-ranked running request is preempted
+(recompute, or swap when configured) and the allocation retried.
 
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run);
 `update()` appends the sampled tokens and applies the stop rules. The protocol with the runner is
@@ -14,10 +15,7 @@ described in `aserve.core.batch`.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
 from aserve.core.batch import (
@@ -28,84 +26,14 @@ from aserve.core.batch import (
     RunnerOutput,
     SchedulerOutput,
 )
+from aserve.core.fair_queue import FairQueue
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.request import Request, RequestStatus
+from aserve.core.request_queue import FCFSQueue, PriorityQueue
 from aserve.core.stats import SchedulerStats
 
 _WAITING_LIKE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-class _FCFSQueue:
-    """Arrival order; preempted requests go back to the front."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add(self, req: Request) -> None:
-        self._q.append(req)
-
-    def add_front(self, req: Request) -> None:
-        self._q.appendleft(req)
-
-    def add_front_all(self, reqs: list[Request]) -> None:
-        """Puts `reqs` (in their order) back in front of the queue."""
-        self._q.extendleft(reversed(reqs))
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, req: Request) -> None:
-        self._q.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class _PriorityQueue:
-    """Lowest (priority, arrival_time) first; ties in insertion order."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, req: Request) -> None:
-        heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._counter), req))
-
-    add_front = add
-
-    def add_front_all(self, reqs: list[Request]) -> None:
-        for req in reqs:
-            self.add(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, req: Request) -> None:
-        for i, entry in enumerate(self._heap):
-            if entry[3] is req:
-                self._heap[i] = self._heap[-1]
-                self._heap.pop()
-                heapq.heapify(self._heap)
-                return
-        raise ValueError(f"{req.request_id!r} not queued")
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap))
 
 
 class Scheduler:
@@ -132,8 +60,8 @@ class Scheduler:
         )
         self.swap_enabled = mode == "swap" and kv_info.num_cpu_blocks > 0
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: _FCFSQueue | _PriorityQueue = _PriorityQueue() if self.priority_policy else _FCFSQueue()
-        self.swapped: _FCFSQueue | _PriorityQueue = _PriorityQueue() if self.priority_policy else _FCFSQueue()
+        self.waiting: FairQueue | PriorityQueue = PriorityQueue() if self.priority_policy else FairQueue()
+        self.swapped: FCFSQueue | PriorityQueue = PriorityQueue() if self.priority_policy else FCFSQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0  # cumulative
         self._reported = (0, 0, 0)  # prefix-cache queries, hits, preemptions at the last make_stats()
@@ -154,6 +82,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens of unfinished requests not yet computed (O(requests): for admission caps)."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.requests.values())
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         """Finishes the requests as FINISHED_ABORTED; unknown or finished ids are ignored."""
@@ -288,6 +220,8 @@ class Scheduler:
         waiting = self.waiting
         running = self.running
         skipped: list[Request] = []
+        if isinstance(waiting, FairQueue):
+            waiting.start_step(running)
         while len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek()
             if req.wait_for_req_id is not None and not self._leader_ready(req.wait_for_req_id):
@@ -390,7 +324,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             token = runner_output.sampled_token_ids[i]
             req.append_output_token_ids(token)
-            status = self._check_stop(req, token)
+            status = req.stop_status(token, self.max_model_len)
             lp = logprobs[i] if logprobs else None
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
@@ -416,20 +350,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        """The finished status after `token` was appended (sets stop_reason), or None."""
-        params = req.sampling_params
-        num_outputs = len(req.output_token_ids)
-        if num_outputs >= params.min_tokens:
-            if params.stop_token_ids and token in params.stop_token_ids:
-                req.stop_reason = token
-                return _STOPPED
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return _STOPPED
-        if num_outputs >= req.max_tokens or req.num_prompt_tokens + num_outputs >= self.max_model_len:
-            return _LENGTH_CAPPED
-        return None
 
     def _fail_requests(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:
         for req_id, message in failed.items():

@@ -144,17 +144,26 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, priority: int = 0) -> RequestStream:
-        """Validates (raises SamplingParamsError naming the field) and queues a request."""
+                    params: SamplingParams, priority: int = 0, client_id: str | None = None) -> RequestStream:
+        """Validates (raises SamplingParamsError naming the field) and queues a request; `client_id`
+        (a hash of the API key, never the key) shares the batch fairly between clients."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error}")
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         stream = RequestStream(request_id, params.output_kind)
-        stream.prompt_token_ids = self.engine.add_request(request_id, prompt, params, prompt_token_ids, priority)
+        stream.prompt_token_ids = self.engine.add_request(
+            request_id, prompt, params, prompt_token_ids, priority, client_id=client_id)
         self.streams[request_id] = stream
         self._wakeup.set()
         return stream
+
+    def queued_load(self, count_tokens: bool = True) -> tuple[int, int]:
+        """(requests waiting, running or swapped: each sample of an n > 1 request counts one; their
+        prompt tokens not yet computed, or 0 without `count_tokens`). For admission control: call it
+        and add_request with no await in between."""
+        core = self.engine.core
+        return core.num_unfinished_requests(), core.num_queued_prompt_tokens() if count_tokens else 0
 
     async def abort(self, request_id: str) -> None:
         """Frees the request's KV blocks now (the scheduler drops it before the next step)."""

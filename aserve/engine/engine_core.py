@@ -55,6 +55,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def num_unfinished_requests(self) -> int:
+        """Requests waiting, running or swapped (each sample of an n > 1 request counts one)."""
+        return len(self.scheduler.requests)
+
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens of unfinished requests not yet computed (O(requests))."""
+        return self.scheduler.num_queued_prompt_tokens()
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False while any request holds blocks (nothing done)."""
         return self.scheduler.reset_prefix_cache()

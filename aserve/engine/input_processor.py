@@ -116,9 +116,9 @@ class InputProcessor:
         return ids
 
     def make_requests(self, sample_ids: list[str], prompt_token_ids: list[int], params: SamplingParams,
-                      arrival_time: float, priority: int) -> list[Request]:
+                      arrival_time: float, priority: int, client_id: str | None = None) -> list[Request]:
         """One scheduler request per sample; samples after the first wait for the first's prompt and
-        then share its prompt blocks by reference."""
+        then share its prompt blocks by reference. `client_id` (who sent it) is for fair sharing."""
         num = len(sample_ids)
         # best_of ranks samples by cumulative logprob, so the runner must report sampled logprobs.
         needs_logprobs = params.num_samples > params.n and params.logprobs is None
@@ -135,5 +135,5 @@ class InputProcessor:
             requests.append(Request(
                 sid, prompt_token_ids, child, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                 priority=priority, wait_for_req_id=sample_ids[0] if i > 0 else None,
-                max_model_len=self.max_model_len, share_prefix=num > 1))
+                max_model_len=self.max_model_len, share_prefix=num > 1, client_id=client_id))
         return requests

@@ -47,8 +47,9 @@ class LLMEngine:
     # -- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> list[int]:
-        """Validates and queues a request. Returns its prompt token ids. Raises SamplingParamsError."""
+                    arrival_time: float | None = None, client_id: str | None = None) -> list[int]:
+        """Validates and queues a request. Returns its prompt token ids. Raises SamplingParamsError.
+        `client_id` names who sent it (the server passes a hash of the API key) for fair sharing."""
         if self.outputs.has_request(request_id):
             raise SamplingParamsError("request_id", f"request {request_id!r} is already running")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -57,7 +58,7 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         user_logprobs = params.logprobs is not None
         sample_ids = self.outputs.add_request(request_id, prompt, token_ids, params, user_logprobs, arrival)
-        for request in self.inputs.make_requests(sample_ids, token_ids, params, arrival, priority):
+        for request in self.inputs.make_requests(sample_ids, token_ids, params, arrival, priority, client_id):
             self.core.add_request(request)
         return token_ids
 

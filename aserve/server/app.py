@@ -8,6 +8,7 @@ changes server state); /health, /metrics, /version, /tokenize, /detokenize, /ope
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 
@@ -18,12 +19,12 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aserve.server import chat, completions, misc
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
-from aserve.server.errors import APIError, http_error
+from aserve.server.errors import APIError, body_too_large, http_error
 from aserve.server.metrics import CONTENT_TYPE
 from aserve.server.openapi import Operation, docs_page, openapi_document
 from aserve.server.sse import ClientDisconnected
@@ -48,15 +49,25 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
+def client_id_of(key: str) -> str:
+    """What identifies an API key's requests to the engine (fair sharing): a hash, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 class GateMiddleware:
-    """Sets the root path, refuses new requests while draining (503), and checks the API key where
-    `requires_api_key` says so."""
+    """Sets the root path, refuses new requests while draining (503), checks the API key where
+    `requires_api_key` says so (with several keys, the key's `client_id_of` goes in
+    `scope["state"]["client_id"]` for fair sharing), and refuses bodies over
+    --max-request-body-bytes (413: by Content-Length before reading, else as the body streams in)."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app = app
         self.state = state
-        key = state.args.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
+        keys = state.args.api_keys
+        self._expected = [
+            (f"Bearer {key}".encode(), client_id_of(key) if len(keys) > 1 else None) for key in keys
+        ]
+        self._max_body = state.args.max_request_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,26 +81,54 @@ class GateMiddleware:
             response.headers["Connection"] = "close"
             await response(scope, receive, send)
             return
-        if self._expected is not None and requires_api_key(_route_path(scope)):
+        if self._expected and requires_api_key(_route_path(scope)):
             given = b""
             for name, value in scope["headers"]:
                 if name == b"authorization":
                     given = value
                     break
-            if not hmac.compare_digest(given, self._expected):
+            matched = [client for expected, client in self._expected if hmac.compare_digest(given, expected)]
+            if not matched:
                 await APIError(
                     401,
                     "invalid or missing API key: send 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 ).to_response()(scope, receive, send)
                 return
+            if matched[0] is not None:
+                scope = {**scope, "state": {**scope.get("state", {}), "client_id": matched[0]}}
+        if self._max_body:
+            limit = self._max_body
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > limit:
+                    await body_too_large(limit).to_response()(scope, receive, send)
+                    return
+            receive = _limited(receive, limit)
         await self.app(scope, receive, send)
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises a 413 APIError once the body passes `limit` bytes (a body sent without
+    Content-Length, or longer than it said), so the handler stops before any tokenizing."""
+    seen = 0
+
+    async def limited_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise body_too_large(limit)
+        return message
+
+    return limited_receive
 
 
 def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    if _route_path(request.scope) in _GENERATION_PATHS:
-        request.app.state.aserve.metrics.record_rejected("invalid_request" if exc.status < 500 else "error")
+    if _route_path(request.scope) in _GENERATION_PATHS and exc.status != 504:  # a timeout counts as an abort
+        reason = "overloaded" if exc.status == 429 else "invalid_request" if exc.status < 500 else "error"
+        request.app.state.aserve.metrics.record_rejected(reason)
     return exc.to_response()
 
 
@@ -173,7 +212,7 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
         title="aserve",
         version=state.version,
         root_path=args.root_path,
-        requires_key=requires_api_key if args.api_key else None,
+        requires_key=requires_api_key if args.api_keys else None,
     )
     doc_bytes = p.encoder.encode(doc)
     page = docs_page(doc)

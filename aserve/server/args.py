@@ -47,7 +47,7 @@ class ServerArgs:
 
     host: str | None = None  # None: all interfaces
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # several keys: the batch is shared fairly between them
     chat_template: str | None = None
     response_role: str = "assistant"
     allowed_origins: tuple[str, ...] = ("*",)
@@ -66,6 +66,17 @@ class ServerArgs:
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0
     shutdown_grace_period: float = 30.0
+    max_num_queued_reqs: int = 0  # 0: unbounded
+    max_num_queued_tokens: int = 0  # 0: unbounded
+    max_request_body_bytes: int = 32 * 1024 * 1024  # 0: unbounded
+    request_timeout: float | None = None  # seconds; None: no timeout
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted API key (empty: no key needed)."""
+        if not self.api_key:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -141,8 +152,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     g.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (also env ASERVE_API_KEY or VLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1/* (also env ASERVE_API_KEY or VLLM_API_KEY); "
+        "give it several times to accept several keys, which then share the batch fairly",
     )
     g.add_argument(
         "--chat-template",
@@ -209,6 +222,33 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM (default: 30)",
     )
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=0,
+        help="answer 429 (with Retry-After) when this many requests are already waiting or running; "
+        "a request with n samples counts n (default: 0 = unbounded)",
+    )
+    g.add_argument(
+        "--max-num-queued-tokens",
+        type=int,
+        default=0,
+        help="answer 429 (with Retry-After) when the prompt tokens not yet computed would exceed this "
+        "(default: 0 = unbounded)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="answer 413 to a larger request body, before reading it all (default: 32 MiB; 0 = unbounded)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="abort a request still generating after this many seconds: 504 (code 'timeout'), or an SSE "
+        "error event once streaming (default: no timeout)",
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -234,6 +274,9 @@ def split_namespace(
     server_names = {f.name for f in dataclasses.fields(ServerArgs)}
     server_values = {k: v for k, v in values.items() if k in server_names}
     server_values["disable_log_stats"] = engine_args.disable_log_stats
+    keys = server_values.get("api_key")
+    if isinstance(keys, list):  # --api-key given once or more (action="append")
+        server_values["api_key"] = keys[0] if len(keys) == 1 else tuple(keys)
     if not server_values.get("api_key"):
         server_values["api_key"] = environ.get("ASERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -249,6 +292,14 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError(f"--port: must be in [0, 65535], got {args.port}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len: must be >= 0, got {args.max_log_len}")
+    for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
+        value = getattr(args, name)
+        if value < 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 0 (0 = unbounded), got {value}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout: must be > 0 seconds, got {args.request_timeout}")
+    if any(not key for key in args.api_keys):
+        raise ValueError("--api-key: must not be empty")
     if args.shutdown_grace_period < 0:
         raise ValueError(f"--shutdown-grace-period: must be >= 0, got {args.shutdown_grace_period}")
     if args.stats_log_interval <= 0:

@@ -43,7 +43,7 @@ from aserve.server.protocol import (
 )
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
-from aserve.server.state import ServerState, get_state, logger
+from aserve.server.state import ServerState, client_id_of, get_state, logger
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
@@ -125,6 +125,7 @@ class _ChatJob:
 
 async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
+    deadline = state.request_deadline()
     req = decode_body(await request.body(), _decoder)
     model = state.check_model(req.model)
     state.require_tokenizer("messages")
@@ -157,7 +158,9 @@ async def create_chat_completion(request: Request) -> Response:
             req, max_tokens=requested, logprobs=top_logprobs, stream=stream, defaults=defaults
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = state.add_request(request_id, prompt, prompt_ids, params, req.priority)
+        outputs = state.add_request(
+            request_id, prompt, prompt_ids, params, req.priority, client_id_of(request)
+        )
     if len(outputs.prompt_token_ids) < len(prompt_ids):  # truncated: the rendered text no longer matches
         prompt_ids = outputs.prompt_token_ids
 
@@ -179,7 +182,7 @@ async def create_chat_completion(request: Request) -> Response:
         continuous_usage,
         outputs,
     )
-    return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job))
+    return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job), deadline)
 
 
 async def _collect(job: _ChatJob) -> ChatCompletionResponse:

@@ -38,7 +38,7 @@ from aserve.server.protocol import (
 )
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
-from aserve.server.state import ServerState, get_state, logger
+from aserve.server.state import ServerState, client_id_of, get_state, logger
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -121,6 +121,7 @@ def _tokenize_all(
 
 async def create_completion(request: Request) -> Response:
     state = get_state(request)
+    deadline = state.request_deadline()
     req = decode_body(await request.body(), _decoder)
     model = state.check_model(req.model)
     _reject_unsupported(req)
@@ -158,7 +159,8 @@ async def create_completion(request: Request) -> Response:
             entry_id = f"{request_id}-{i}"
             with sampling_errors_as_400({**fields, "prompt": param}):
                 outputs = state.add_request(
-                    entry_id, raw if isinstance(raw, str) else None, ids, params, req.priority
+                    entry_id, raw if isinstance(raw, str) else None, ids, params, req.priority,
+                    client_id_of(request),
                 )
             kept = outputs.prompt_token_ids
             text = raw if isinstance(raw, str) and len(kept) == len(ids) else ""
@@ -183,7 +185,7 @@ async def create_completion(request: Request) -> Response:
         include_usage,
         continuous_usage,
     )
-    return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job))
+    return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job), deadline)
 
 
 async def _abort_unfinished(job: _CompletionJob) -> None:

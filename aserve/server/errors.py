@@ -29,7 +29,9 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 
@@ -44,8 +46,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
+        self.headers = dict(headers or {})
+        if status == 401:
+            self.headers.setdefault("WWW-Authenticate", "Bearer")
         self.status = status
         self.message = message
         self.param = param
@@ -59,14 +65,29 @@ class APIError(Exception):
         return encoder.encode(ErrorResponse(error=self.info()))
 
     def to_response(self) -> Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return Response(
-            self.to_bytes(), status_code=self.status, media_type="application/json", headers=headers
+            self.to_bytes(), status_code=self.status, media_type="application/json", headers=self.headers
         )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+    """A 429 for a request over an admission cap: the client should retry after `retry_after_s`."""
+    return APIError(429, message, code="queue_full", headers={"Retry-After": str(retry_after_s)})
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)",
+                    code="request_too_large", headers={"Connection": "close"})
+
+
+def timed_out(timeout_s: float) -> APIError:
+    """A 504 (or, once a stream has started, its error event) for a request aborted at its deadline."""
+    message = f"the request did not finish within {timeout_s:g} s (--request-timeout) and was aborted"
+    return APIError(504, message, code="timeout")
 
 
 def unsupported(param: str, detail: str = "") -> APIError:

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import anyio
 from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 
-from aserve.server.errors import engine_failure
+from aserve.server.errors import engine_failure, timed_out
 from aserve.server.params import usage
 from aserve.server.protocol import ErrorResponse, UsageInfo, encoder
 from aserve.server.sse import DONE, Emit, SSEResponse, call_until_disconnect, event
@@ -78,13 +79,53 @@ def failure_events(exc: Exception) -> bytes:
     return event(encoder.encode(ErrorResponse(error=engine_failure(exc).info()))) + DONE
 
 
+def _produce_until(
+    deadline: float, timeout_s: float, produce: Callable[[Emit], Awaitable[None]]
+) -> Callable[[Emit], Awaitable[None]]:
+    async def produce_until(emit: Emit) -> None:
+        sent = False
+
+        async def tracked(data: bytes) -> None:
+            nonlocal sent
+            sent = True
+            await emit(data)
+
+        with anyio.move_on_at(deadline) as scope:
+            await produce(tracked)  # cancelled at the deadline: its `finally` aborts the request
+        if scope.cancelled_caught:
+            if not sent:
+                raise timed_out(timeout_s)  # nothing sent yet (SSEResponse starts on the first event): a 504
+            await emit(event(timed_out(timeout_s).to_bytes()) + DONE)
+
+    return produce_until
+
+
+def _collect_until(
+    deadline: float, timeout_s: float, collect: Callable[[], Awaitable[R]]
+) -> Callable[[], Awaitable[R]]:
+    async def collect_until() -> R:
+        with anyio.move_on_at(deadline):
+            return await collect()  # cancelled at the deadline: its `finally` aborts the request
+        raise timed_out(timeout_s)
+
+    return collect_until
+
+
 async def respond(
     request: Request,
     stream: bool,
     produce: Callable[[Emit], Awaitable[None]],
     collect: Callable[[], Awaitable[Any]],
+    deadline: float | None = None,
 ) -> Response:
-    """SSE written by `produce` when `stream`, else the JSON of `collect()` (cancelled on disconnect)."""
+    """SSE written by `produce` when `stream`, else the JSON of `collect()` (cancelled on disconnect).
+
+    At `deadline` (anyio clock; --request-timeout) the work is cancelled, which aborts the engine
+    request: a 504 (code "timeout") if nothing was sent yet, else an SSE error event and [DONE]."""
+    if deadline is not None:
+        timeout_s = request.app.state.aserve.args.request_timeout
+        produce = _produce_until(deadline, timeout_s, produce)
+        collect = _collect_until(deadline, timeout_s, collect)
     if stream:
         return SSEResponse(produce)
     response = await call_until_disconnect(request.receive, collect)

@@ -39,6 +39,8 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 class SSEResponse:
     """An ASGI response streaming `text/event-stream`; `produce(emit)` writes the events.
 
+    The response starts (status 200 and headers) with the first event, so an error `produce` raises
+    before emitting anything is answered with its own status (a 504 timeout before the first token).
     When the client disconnects, `produce` is cancelled (its `finally` blocks run) and nothing more
     is sent.
     """
@@ -52,7 +54,16 @@ class SSEResponse:
         raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         raw_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
 
+        started = False
+
+        async def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+
         async def emit(data: bytes) -> None:
+            await start()
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         error: Exception | None = None
@@ -65,7 +76,6 @@ class SSEResponse:
 
             tg.start_soon(watch)
             try:
-                await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
                 await self.produce(emit)
             except OSError:  # ASGI >= 2.4 servers report a gone client by failing send()
                 self.disconnected = True
@@ -77,6 +87,7 @@ class SSEResponse:
             raise error
         if not self.disconnected:
             try:
+                await start()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
                 self.disconnected = True

@@ -22,7 +22,7 @@ from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
-from aserve.server.errors import APIError, RequestFailed
+from aserve.server.errors import APIError, RequestFailed, overloaded
 from aserve.server.metrics import PrometheusStatLogger
 
 logger = logging.getLogger("aserve.server")
@@ -67,6 +67,8 @@ class EngineClient(Protocol):
         params: SamplingParams,
         priority: int = 0,
     ) -> PromptStream: ...
+    # With several API keys the server also passes `client_id=<hash of the key>` (fair sharing), and
+    # with --max-num-queued-reqs/-tokens it first calls `queued_load(count_tokens) -> (reqs, tokens)`.
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -174,18 +176,51 @@ class ServerState:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,
+        client_id: str | None = None,
     ) -> PromptStream:
         """Hand a request to the engine. Raises SamplingParamsError (naming the field in
-        SamplingParams' terms: the handler maps it to a 400) or a 503 APIError if the engine is down."""
+        SamplingParams' terms: the handler maps it to a 400), a 429 APIError over an admission cap
+        (checked here, with no await before the engine queues it, so concurrent requests cannot
+        overshoot), or a 503 APIError if the engine is down. `client_id` is a hash of the API key."""
         if not self.engine.is_healthy():
             raise APIError(503, "the engine is not running", code="engine_dead")
+        self.check_admission(prompt_token_ids, params)
         self.log_request(request_id, prompt, prompt_token_ids, params)
+        extra = {} if client_id is None else {"client_id": client_id}
         try:
-            return _RaisingOnError(self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority))
+            stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, **extra)
+            return _RaisingOnError(stream)
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
             raise APIError(
                 503, f"the engine cannot take requests: {exc}", code="engine_unavailable"
             ) from None
+
+    def check_admission(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A 429 (Retry-After) when queueing this request would pass --max-num-queued-reqs (a request
+        with n samples counts n) or --max-num-queued-tokens (prompt tokens not yet computed, each
+        sample's counted). An idle engine takes any request, so a cap never makes one impossible."""
+        max_reqs, max_tokens = self.args.max_num_queued_reqs, self.args.max_num_queued_tokens
+        if not (max_reqs or max_tokens):
+            return
+        num_reqs, num_tokens = self.engine.queued_load(bool(max_tokens))  # type: ignore[attr-defined]
+        if num_reqs == 0:
+            return
+        num_samples = params.num_samples
+        if max_reqs and num_reqs + num_samples > max_reqs:
+            raise overloaded(f"the server is at capacity: {num_reqs} requests queued or running "
+                             f"(--max-num-queued-reqs {max_reqs}); retry later")
+        if max_tokens:
+            num_prompt = len(prompt_token_ids)
+            if params.truncate_prompt_tokens is not None:
+                num_prompt = min(num_prompt, params.truncate_prompt_tokens)
+            if num_tokens + num_samples * num_prompt > max_tokens:
+                raise overloaded(f"the server is at capacity: {num_tokens} prompt tokens queued "
+                                 f"(--max-num-queued-tokens {max_tokens}); retry later")
+
+    def request_deadline(self) -> float | None:
+        """When a request arriving now times out (anyio clock), or None without --request-timeout."""
+        timeout = self.args.request_timeout
+        return None if timeout is None else anyio.current_time() + timeout
 
     def check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing, a text that cannot fit in the context: more characters than
@@ -248,3 +283,8 @@ class ServerState:
 
 def get_state(request: Any) -> ServerState:
     return request.app.state.aserve
+
+
+def client_id_of(request: Any) -> str | None:
+    """The hash of the request's API key when the server has several (set by the app's gate), else None."""
+    return request.scope.get("state", {}).get("client_id")

@@ -145,3 +145,24 @@ def test_api_key_from_environment():
     assert parse_args([], environ={"VLLM_API_KEY": "v"})[1].api_key == "v"
     assert parse_args(["--api-key", "flag"], environ={"VLLM_API_KEY": "v"})[1].api_key == "flag"
     assert parse_args([], environ={})[1].api_key is None
+
+
+def test_api_key_given_several_times_and_overload_flags():
+    _, s = parse_args(["--api-key", "a", "--api-key", "b"], environ={})
+    assert s.api_key == ("a", "b") and s.api_keys == ("a", "b")
+    assert parse_args(["--api-key", "a"], environ={})[1].api_keys == ("a",)
+    _, s = parse_args(["--max-num-queued-reqs", "8", "--max-num-queued-tokens", "4096",
+                       "--max-request-body-bytes", "1024", "--request-timeout", "2.5"], environ={})
+    assert (s.max_num_queued_reqs, s.max_num_queued_tokens, s.max_request_body_bytes, s.request_timeout) == (
+        8, 4096, 1024, 2.5)
+    defaults = parse_args([], environ={})[1]
+    assert (defaults.max_num_queued_reqs, defaults.max_num_queued_tokens, defaults.request_timeout) == (0, 0, None)
+    assert defaults.max_request_body_bytes == 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize("argv", [["--max-num-queued-reqs", "-1"], ["--max-request-body-bytes", "-5"],
+                                  ["--request-timeout", "0"], ["--api-key", "a", "--api-key", ""]])
+def test_bad_overload_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv, environ={})
+    assert argv[0] in capsys.readouterr().err
