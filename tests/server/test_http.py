@@ -1,4 +1,4 @@
-"""Raw HTTP against a real server: SSE framing, every error path, disconnects, health, draining."""
+"""Raw HTTP against a real server (the real engine over a fake model): SSE framing, every error path, disconnects, health, draining."""
 
 from __future__ import annotations
 
@@ -8,16 +8,13 @@ import ssl
 import subprocess
 import threading
 import time
-from functools import partial
 
-import anyio
-import anyio.from_thread
 import httpx
 import pytest
-from fake_engine import EngineDeadError, FakeAsyncEngine, build_tokenizer
-from server_harness import quiet_args, running_server
 
-from aserve.server.launch import serve
+from aserve.server.launch import EngineDiedError
+from tests.server.server_harness import recording_engine, quiet_args, running_server, wait_until
+from tests.support.fake_model import FakeModel, build_model_folder
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,13 +27,6 @@ USER = [{"role": "user", "content": "hello"}]
 def http(server):
     with httpx.Client(base_url=server.url, timeout=20) as client:
         yield client
-
-
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def parse_sse(raw: bytes) -> list[str]:
@@ -188,9 +178,11 @@ def test_chat_default_max_tokens_fills_the_context(server, engine):
     with httpx.Client(base_url=server.url, timeout=10) as client:
         with client.stream("POST", CHAT, json={"messages": USER, "stream": True, "max_tokens": None}) as r:
             assert next(r.iter_lines()).startswith("data: ")
-            request_id, prompt_ids, params, _ = engine.added[-1]
-    assert params.max_tokens == 256 - len(prompt_ids)
-    wait_until(lambda: request_id not in engine.requests)  # the disconnect aborted it
+            added = engine.added[-1]
+    assert added.params.max_tokens == 256 - len(added.prompt_token_ids)
+    wait_until(lambda: added.request_id not in engine.streams)  # finished, or aborted by the disconnect
+    full = httpx.post(f"{server.url}{CHAT}", json={"messages": USER, "max_tokens": None}, timeout=30).json()
+    assert full["usage"]["total_tokens"] == 256 and full["choices"][0]["finish_reason"] == "length"
 
 
 def test_unknown_model_404(http):
@@ -214,48 +206,38 @@ def test_version_and_health(http):
     assert r.status_code == 200 and r.content == b""
 
 
-def test_unhealthy_engine_gives_503(http, engine):
-    engine.errored = True
-    try:
-        err = _error(http.get("/health"), 503)
-        assert err["type"] == "service_unavailable"
-        assert _error(http.post(CHAT, json={"messages": USER}), 503)["code"] == "engine_dead"
-    finally:
-        engine.errored = False
-    assert http.get("/health").status_code == 200
-
-
 # -- disconnects ------------------------------------------------------------------------------------
 
 
-def test_stream_disconnect_aborts_and_frees_blocks(server, engine):
-    engine.step_delay = 0.02
+def test_stream_disconnect_aborts_and_frees_blocks(server, engine, fake_model):
+    fake_model.step_delay = 0.02
     try:
         with httpx.Client(base_url=server.url, timeout=10) as client:
             with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 200, "stream": True}) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
-                request_id = engine.added[-1][0]
+                request_id = engine.added[-1].request_id
                 wait_until(lambda: engine.get_scheduler_stats().num_used_blocks > 0)
             # leaving the block closes the connection mid-stream
         wait_until(lambda: request_id in engine.aborted)
         wait_until(lambda: engine.get_scheduler_stats().num_used_blocks == 0)
-        assert request_id not in engine.requests
+        assert request_id not in engine.streams
     finally:
-        engine.step_delay = 0.002
+        fake_model.step_delay = 0.0
 
 
-def test_non_stream_disconnect_aborts(server, engine):
-    engine.paused = True
+def test_non_stream_disconnect_aborts(server, engine, fake_model):
+    fake_model.pause()
     try:
         with httpx.Client(base_url=server.url, timeout=0.5) as client:
             with pytest.raises(httpx.ReadTimeout):
                 client.post(COMPLETIONS, json={"prompt": "wait for me", "max_tokens": 50})
-        request_id = engine.added[-1][0]
+        request_id = engine.added[-1].request_id
         wait_until(lambda: request_id in engine.aborted)
-        assert engine.get_scheduler_stats().num_running_reqs == 0
+        stats = engine.get_scheduler_stats()
+        assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.num_used_blocks == 0
     finally:
-        engine.paused = False
+        fake_model.resume()
 
 
 # -- CORS, root path ----------------------------------------------------------------------------------
@@ -277,10 +259,10 @@ def test_cors_preflight_and_simple_request(http):
     assert r.headers["access-control-allow-origin"] == "*"
 
 
-def test_restricted_cors_and_root_path(tokenizer):
+def test_restricted_cors_and_root_path(model_folder, fake_model):
     args = quiet_args(allowed_origins=("http://good.test",), root_path="/api")
-    with running_server(FakeAsyncEngine(tokenizer), args) as address:
-        with httpx.Client(base_url=address.url) as client:
+    with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+        with httpx.Client(base_url=srv.url) as client:
             ok = client.options(
                 CHAT, headers={"Origin": "http://good.test", "Access-Control-Request-Method": "POST"}
             )
@@ -296,10 +278,10 @@ def test_restricted_cors_and_root_path(tokenizer):
             )
 
 
-def test_no_chat_template_is_a_clear_400():
-    plain = build_tokenizer(special_tokens=("<|endoftext|>",))
-    with running_server(FakeAsyncEngine(plain), quiet_args()) as address:
-        with httpx.Client(base_url=address.url) as client:
+def test_no_chat_template_is_a_clear_400(tmp_path):
+    plain = build_model_folder(tmp_path, special_tokens=("<|endoftext|>",))
+    with running_server(lambda: recording_engine(plain, FakeModel.for_folder(plain)), quiet_args()) as srv:
+        with httpx.Client(base_url=srv.url) as client:
             err = _error(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
             assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
             inline = client.post(
@@ -314,77 +296,77 @@ def test_no_chat_template_is_a_clear_400():
             assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
-def test_chat_template_flag_overrides(tokenizer):
+def test_chat_template_flag_overrides(model_folder, fake_model, tokenizer):
     args = quiet_args(chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
-    engine = FakeAsyncEngine(tokenizer)
-    with running_server(engine, args) as address:
-        with httpx.Client(base_url=address.url) as client:
+    with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+        with httpx.Client(base_url=srv.url) as client:
             assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
-    assert tokenizer.decode(engine.added[-1][1]) == "[user] hello\n"
+        assert tokenizer.decode(srv.engine.added[-1].prompt_token_ids) == "[user] hello\n"
 
 
 # -- shutdown and engine death ----------------------------------------------------------------------
 
 
-def test_draining_refuses_new_requests_and_finishes_in_flight(tokenizer):
-    engine = FakeAsyncEngine(tokenizer)
-    engine.paused = True
-    args = quiet_args(host="127.0.0.1", port=0, shutdown_grace_period=10)
+def test_draining_refuses_new_requests_and_finishes_in_flight(model_folder, fake_model):
+    fake_model.pause()
     result: dict = {}
-    with anyio.from_thread.start_blocking_portal("asyncio", backend_options={"use_uvloop": True}) as portal:
-        stop = portal.call(anyio.Event)
-        future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
-        keepalive = httpx.Client(base_url=address.url, timeout=10)
-        assert keepalive.get("/health").status_code == 200  # an open keep-alive connection
+    try:
+        args = quiet_args(shutdown_grace_period=10)
+        with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+            keepalive = httpx.Client(base_url=srv.url, timeout=10)
+            assert keepalive.get("/health").status_code == 200  # an open keep-alive connection
 
-        def in_flight():
-            with httpx.Client(base_url=address.url, timeout=10) as c:
-                result["response"] = c.post(COMPLETIONS, json={"prompt": "slow", "max_tokens": 5})
+            def in_flight():
+                with httpx.Client(base_url=srv.url, timeout=10) as c:
+                    result["response"] = c.post(COMPLETIONS, json={"prompt": "slow", "max_tokens": 5})
 
-        thread = threading.Thread(target=in_flight)
-        thread.start()
-        wait_until(lambda: len(engine.requests) == 1)
-        portal.call(stop.set)
-        time.sleep(0.2)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{address.url}/health", timeout=2)
-        try:
-            refused = keepalive.get("/health")
-            assert refused.status_code == 503
-        except httpx.TransportError:
-            pass  # the server closed the idle keep-alive connection: refused as well
-        engine.paused = False
-        thread.join(10)
-        future.result(timeout=10)
-        keepalive.close()
+            thread = threading.Thread(target=in_flight)
+            thread.start()
+            wait_until(lambda: len(srv.engine.streams) == 1)
+            srv.request_stop()
+            time.sleep(0.2)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{srv.url}/health", timeout=2)
+            try:
+                refused = keepalive.get("/health")
+                assert refused.status_code == 503
+            except httpx.TransportError:
+                pass  # the server closed the idle keep-alive connection: refused as well
+            fake_model.resume()
+            thread.join(10)
+            srv.future.result(timeout=10)
+            keepalive.close()
+    finally:
+        fake_model.resume()
     response = result["response"]
     assert response.status_code == 200
     assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_engine_death_ends_streams_and_fails_serve(tokenizer):
-    engine = FakeAsyncEngine(tokenizer)
-    engine.paused = True
-    args = quiet_args(host="127.0.0.1", port=0)
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        stop = portal.call(anyio.Event)
-        future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
-        with httpx.Client(base_url=address.url, timeout=10) as client:
+def test_engine_death_ends_streams_fails_health_and_serve(model_folder, tokenizer):
+    model = FakeModel.for_folder(model_folder)
+    model.pause()
+    with running_server(lambda: recording_engine(model_folder, model), quiet_args(), join=False) as srv:
+        with httpx.Client(base_url=srv.url, timeout=10) as client:
+            assert client.get("/health").status_code == 200
             with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 5, "stream": True}) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
-                portal.call(engine.kill, RuntimeError("boom"))
+                model.fatal = RuntimeError("boom")  # the runner raises: fatal for the engine
+                model.resume()
                 rest = [line for line in lines if line]
-        assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_error"
-        assert rest[-1] == "data: [DONE]"
-        with pytest.raises(BaseException) as info:
-            future.result(timeout=10)
-        group = info.value
-        causes = group.exceptions if isinstance(group, BaseExceptionGroup) else [group]
-        assert any(isinstance(c, EngineDeadError) for c in causes)
+            assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_error"
+            assert rest[-1] == "data: [DONE]"
+            # the server lingers (ENGINE_DEATH_LINGER_S) answering 503 before it stops
+            err = _error(client.get("/health"), 503)
+            assert err["type"] == "service_unavailable"
+            assert _error(client.post(CHAT, json={"messages": USER}), 503)["code"] == "engine_dead"
+        with pytest.raises(EngineDiedError) as info:
+            srv.future.result(timeout=10)
+        assert "boom" in str(info.value)
 
 
-def test_tls(tokenizer, tmp_path):
+def test_tls(model_folder, fake_model, tmp_path):
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is not installed")
@@ -413,11 +395,11 @@ def test_tls(tokenizer, tmp_path):
         timeout=60,
     )
     args = quiet_args(ssl_keyfile=str(key), ssl_certfile=str(cert))
-    with running_server(FakeAsyncEngine(tokenizer), args) as address:
-        url = f"https://127.0.0.1:{address.port}"
+    with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+        url = f"https://127.0.0.1:{srv.address.port}"
         with httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=str(cert))) as client:
             assert client.get("/health").status_code == 200
             r = client.post(COMPLETIONS, json={"prompt": "secure", "max_tokens": 2, "stream": True})
             assert parse_sse(r.content)[-1] == "[DONE]"
         with pytest.raises(httpx.TransportError):
-            httpx.get(f"http://127.0.0.1:{address.port}/health", timeout=5)
+            httpx.get(f"http://127.0.0.1:{srv.address.port}/health", timeout=5)

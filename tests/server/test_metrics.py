@@ -59,10 +59,8 @@ def test_prometheus_logger_records_everything():
             finished_requests=[_finished("stop"), _finished("length"), _finished("abort")],
         ),
     )
-    # cumulative scheduler counters turn into counter increments
-    p.record(
-        SchedulerStats(prefix_cache_queries=150, prefix_cache_hits=45, num_preemptions=2), IterationStats()
-    )
+    # the scheduler's counters are per-step deltas: each record adds its own
+    p.record(SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=5, num_preemptions=0), IterationStats())
     s = _samples(p)
     assert s[("aserve:num_requests_running", m)] == 0  # the latest snapshot
     assert s[("aserve:prefix_cache_queries_total", m)] == 150

@@ -1,4 +1,5 @@
-"""The official `openai` SDK (sync and async, streaming and not) against a real server on 127.0.0.1."""
+"""The official `openai` SDK (sync and async, streaming and not) against a real server on 127.0.0.1
+(the real engine over a fake model)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import anyio
 import httpx
 import openai
 import pytest
-from fake_engine import FakeAsyncEngine
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import quiet_args, running_server
+
+from tests.server.server_harness import recording_engine, quiet_args, running_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,13 +23,13 @@ def client(server):
         yield c
 
 
-def _expected_text(engine: FakeAsyncEngine, tokenizer, prompt_ids, params, index=0) -> str:
-    return tokenizer.decode(engine.expected_token_ids(prompt_ids, params, index))
+def _expected_text(fake_model, tokenizer, prompt_ids, params, index=0) -> str:
+    return tokenizer.decode(fake_model.expected_token_ids(prompt_ids, params, index))
 
 
-def _last_added(engine: FakeAsyncEngine):
-    request_id, prompt_ids, params, priority = engine.added[-1]
-    return prompt_ids, params
+def _last_added(engine):
+    added = engine.added[-1]
+    return added.prompt_token_ids, added.params
 
 
 def test_models_list(client):
@@ -36,7 +37,7 @@ def test_models_list(client):
     assert ids == ["fake-model", "fake-alias"]
 
 
-def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, tokenizer):
+def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, tokenizer, fake_model):
     resp = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello world"}], temperature=0, max_tokens=6
     )
@@ -45,7 +46,7 @@ def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, 
     assert params.max_tokens == 6 and params.temperature == 0
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
-    assert choice.message.content == _expected_text(engine, tokenizer, prompt_ids, params)
+    assert choice.message.content == _expected_text(fake_model, tokenizer, prompt_ids, params)
     assert choice.finish_reason == "length"
     assert resp.usage.prompt_tokens == len(prompt_ids)
     assert resp.usage.completion_tokens == 6
@@ -122,7 +123,7 @@ def test_chat_continuous_usage_stats(client):
     assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
 
 
-def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokenizer):
+def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokenizer, fake_model):
     resp = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "many"}],
@@ -134,7 +135,7 @@ def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokeniz
     prompt_ids, params = _last_added(engine)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     for c in resp.choices:
-        assert c.message.content == _expected_text(engine, tokenizer, prompt_ids, params, c.index)
+        assert c.message.content == _expected_text(fake_model, tokenizer, prompt_ids, params, c.index)
     assert len({c.message.content for c in resp.choices}) == 3
     assert resp.usage.completion_tokens == 15
 
@@ -178,11 +179,11 @@ def test_seed_reproducibility(client):
     assert ask(5) != ask(6)
 
 
-def test_chat_stop_string(client, engine, tokenizer):
+def test_chat_stop_string(client, engine, tokenizer, fake_model):
     messages = [{"role": "user", "content": "stop test"}]
     free = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
     prompt_ids, params = _last_added(engine)
-    tokens = engine.expected_token_ids(prompt_ids, params)
+    tokens = fake_model.expected_token_ids(prompt_ids, params)
     stop_word = tokenizer.decode([tokens[4]])
     first = tokenizer.decode(tokens).find(stop_word)
     resp = client.chat.completions.create(
@@ -235,7 +236,8 @@ def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):
             "priority": 2,
         },
     )
-    request_id, _, params, priority = engine.added[-1]
+    added = engine.added[-1]
+    params, priority = added.params, added.priority
     assert (params.max_tokens, params.presence_penalty, params.frequency_penalty) == (3, 0.5, 0.25)
     assert params.logit_bias == {5: 1.0}
     assert (params.top_k, params.min_p, params.repetition_penalty, params.min_tokens) == (5, 0.1, 1.1, 1)
@@ -244,7 +246,7 @@ def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):
     assert priority == 2
 
 
-def test_chat_echo_and_continue_final_message(client, engine, tokenizer):
+def test_chat_echo_and_continue_final_message(client, engine, tokenizer, fake_model):
     resp = client.chat.completions.create(
         model=MODEL,
         max_tokens=3,
@@ -255,14 +257,14 @@ def test_chat_echo_and_continue_final_message(client, engine, tokenizer):
     prompt_ids, params = _last_added(engine)
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\nthe quick")
     text = resp.choices[0].message.content
-    assert text == "the quick" + _expected_text(engine, tokenizer, prompt_ids, params)
+    assert text == "the quick" + _expected_text(fake_model, tokenizer, prompt_ids, params)
 
 
-def test_completions_sync(client, engine, tokenizer):
+def test_completions_sync(client, engine, tokenizer, fake_model):
     resp = client.completions.create(model=MODEL, prompt="hello world", max_tokens=5, temperature=0)
     prompt_ids, params = _last_added(engine)
     assert prompt_ids == tokenizer.encode("hello world")
-    assert resp.choices[0].text == _expected_text(engine, tokenizer, prompt_ids, params)
+    assert resp.choices[0].text == _expected_text(fake_model, tokenizer, prompt_ids, params)
     assert resp.object == "text_completion"
     assert resp.usage.prompt_tokens == len(prompt_ids) and resp.usage.completion_tokens == 5
 
@@ -299,9 +301,24 @@ def test_completions_echo_logprobs(client, tokenizer):
     assert all(len(d) >= 2 for d in lp.top_logprobs[prompt_len:])
 
 
-def test_completions_best_of(client):
+@pytest.mark.xfail(strict=True, reason="engine bug: OutputProcessor.add_request tracks cumulative_logprob only "
+                   "when the user asked for logprobs, so best_of returns the first n samples, not the n best")
+def test_completions_best_of_returns_the_n_most_likely(client, engine, tokenizer, fake_model):
     resp = client.completions.create(model=MODEL, prompt="pick", max_tokens=3, n=2, best_of=4, seed=1)
+    prompt_ids, params = _last_added(engine)
     assert [c.index for c in resp.choices] == [0, 1]
+
+    def cumulative_logprob(index: int) -> float:
+        tokens = list(prompt_ids)
+        total = 0.0
+        for t in fake_model.expected_token_ids(prompt_ids, params, index):
+            total += fake_model.logprobs(tokens, t, 0).logprobs[0]
+            tokens.append(t)
+        return total
+
+    best = sorted(range(4), key=cumulative_logprob, reverse=True)[:2]
+    expected = [_expected_text(fake_model, tokenizer, prompt_ids, params, i) for i in best]
+    assert [c.text for c in resp.choices] == expected
 
 
 def test_completions_stream(client):
@@ -349,7 +366,7 @@ async def test_async_client_stream_and_non_stream(server, engine, tokenizer):
 
 
 @pytest.mark.anyio
-async def test_32_concurrent_streams_complete_with_correct_text(server, engine, tokenizer):
+async def test_32_concurrent_streams_complete_with_correct_text(server, engine, tokenizer, fake_model):
     words = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "one"]
     prompts = [f"{words[i % 8]} {words[(i // 8) % 8]} {i}" for i in range(32)]
 
@@ -372,18 +389,17 @@ async def test_32_concurrent_streams_complete_with_correct_text(server, engine, 
     limits = httpx.Limits(max_connections=64)
     async with openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key="x", max_retries=0, http_client=httpx.AsyncClient(limits=limits)
-    ) as client:
-        async with anyio.create_task_group() as tg:
+    ) as client, anyio.create_task_group() as tg:
 
-            async def run(p):
-                results[p] = await one(client, p)
+        async def run(p):
+            results[p] = await one(client, p)
 
-            for p in prompts:
-                tg.start_soon(run, p)
-    params = engine.added[-1][2]
+        for p in prompts:
+            tg.start_soon(run, p)
+    params = engine.added[-1].params
     for p in prompts:
         prompt_ids = tokenizer.encode(CHATML_USER.format(p), add_special_tokens=False)
-        expected = tokenizer.decode(engine.expected_token_ids(prompt_ids, params))
+        expected = tokenizer.decode(fake_model.expected_token_ids(prompt_ids, params))
         assert results[p] == (expected, "length")
 
 
@@ -460,9 +476,8 @@ def test_metrics_counters_move(client, server):
         assert name in after, name
 
 
-def test_api_key(tokenizer):
-    engine = FakeAsyncEngine(tokenizer)
-    with running_server(engine, quiet_args(api_key="sekret")) as address:
+def test_api_key(model_folder, fake_model):
+    with running_server(lambda: recording_engine(model_folder, fake_model), quiet_args(api_key="sekret")) as address:
         with openai.OpenAI(base_url=f"{address.url}/v1", api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError) as info:
                 bad.models.list()
