@@ -51,9 +51,9 @@ def test_layering(key):
     for f in files:
         for name in _imports(f):
             for prefix in FORBIDDEN[key]:
-                if name == prefix.rstrip(".") or name.startswith(prefix if prefix.endswith(".") else prefix + "."):
-                    bad.append(f"{f.relative_to(ROOT.parent)} imports {name}")
-                elif name == prefix:
+                # "aserve.model." forbids aserve.model and its submodules, not aserve.model_source
+                package = prefix.rstrip(".")
+                if name == package or name.startswith(package + "."):
                     bad.append(f"{f.relative_to(ROOT.parent)} imports {name}")
     assert not bad, "\n".join(bad)
 
@@ -65,5 +65,6 @@ def test_importing_the_server_loads_no_torch():
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton') or "
         "m.startswith(('aserve.model', 'aserve.runner', 'aserve.kernels'))]; print(bad); sys.exit(1 if bad else 0)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr

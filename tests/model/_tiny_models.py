@@ -11,9 +11,7 @@ from aserve.config import AserveConfig, EngineArgs
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import load_model
 from tests.model._paged_batch import PagedBatch
-from tests.support.tiny_models import VOCAB, save_tiny_hf
 
-__all__ = ["VOCAB", "engine_config", "hf_logits", "load_ours", "random_schedule", "run_schedule", "save_tiny_hf"]
 
 def engine_config(path: Path, dtype: str = "float32", **kwargs) -> AserveConfig:
     return EngineArgs(model=str(path), dtype=dtype, **kwargs).create_config()

@@ -11,8 +11,8 @@ import pytest
 from tests.server.server_harness import (
     RecordingAsyncEngine,
     RunningServer,
-    recording_engine,
     quiet_args,
+    recording_engine,
     running_server,
 )
 from tests.support.fake_model import FakeModel, build_model_folder
@@ -40,8 +40,9 @@ def fake_model(model_folder: str) -> FakeModel:
 @pytest.fixture(scope="module")
 def running(model_folder: str, fake_model: FakeModel) -> Iterator[RunningServer]:
     """One server per module: fcfs would refuse `priority`, so the shared engine schedules by priority."""
-    make = lambda: recording_engine(model_folder, fake_model, served_model_name=SERVED_NAMES,
-                               scheduling_policy="priority")
+    def make():
+        return recording_engine(model_folder, fake_model, served_model_name=SERVED_NAMES, scheduling_policy="priority")
+
     with running_server(make, quiet_args()) as server:
         yield server
 

@@ -22,8 +22,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = build_model_folder(tmp)
         model = FakeModel.for_folder(folder, step_delay=step_delay)
-        run(lambda: AsyncEngine.from_engine_args(engine_args(folder), executor_factory=fake_executor_factory(model)),
-            args)
+        factory = fake_executor_factory(model)
+        run(lambda: AsyncEngine.from_engine_args(engine_args(folder), executor_factory=factory), args)
     return 0
 
 

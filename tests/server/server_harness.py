@@ -55,7 +55,8 @@ def recording_engine(folder: str, model: FakeModel, **overrides: Any) -> Recordi
     event loop's thread (it creates anyio primitives)."""
     overrides.setdefault("served_model_name", "fake-model")
     factory = fake_executor_factory(model)
-    return RecordingAsyncEngine(LLMEngine.from_engine_args(engine_args(folder, **overrides), executor_factory=factory))
+    return RecordingAsyncEngine(LLMEngine.from_engine_args(engine_args(folder, **overrides),
+                                                           executor_factory=factory))
 
 
 def quiet_args(**kwargs: Any) -> ServerArgs:

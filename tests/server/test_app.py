@@ -9,7 +9,7 @@ import pytest
 from aserve.sampling_params import SamplingParams
 from aserve.server.app import create_app
 from aserve.server.metrics import PrometheusStatLogger
-from tests.server.server_harness import recording_engine, quiet_args
+from tests.server.server_harness import quiet_args, recording_engine
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Raw HTTP against a real server (the real engine over a fake model): SSE framing, every error path, disconnects, health, draining."""
+"""Raw HTTP against a real server (the real engine over a fake model): SSE framing, every error path,
+disconnects, health, draining, engine death."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import time
 import httpx
 import pytest
 
+from aserve.sampling_params import SamplingParams
 from aserve.server.launch import EngineDiedError
-from tests.server.server_harness import recording_engine, quiet_args, running_server, wait_until
+from tests.server.server_harness import quiet_args, recording_engine, running_server, wait_until
 from tests.support.fake_model import FakeModel, build_model_folder
 
 pytestmark = pytest.mark.timeout(60)
@@ -238,6 +240,48 @@ def test_non_stream_disconnect_aborts(server, engine, fake_model):
         assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.num_used_blocks == 0
     finally:
         fake_model.resume()
+
+
+# -- a request the model fails alone ----------------------------------------------------------------
+
+
+@pytest.fixture
+def poisoned(fake_model, tokenizer):
+    """Prompts equal to "omega omega omega" fail in the runner (RunnerOutput.failed_requests)."""
+    poison = tokenizer.encode("omega omega omega")
+    fake_model.fail_if = lambda req_id, prompt: "logits processor raised" if prompt == poison else None
+    yield "omega omega omega"
+    fake_model.fail_if = None
+
+
+def test_a_request_failed_by_the_model_ends_alone(server, fake_model, tokenizer, poisoned):
+    fake_model.step_delay = 0.01
+    try:
+        with httpx.Client(base_url=server.url, timeout=20) as client:
+            body = {"prompt": "red green", "max_tokens": 8, "temperature": 0, "stream": True}
+            with client.stream("POST", COMPLETIONS, json=body) as healthy:
+                lines = healthy.iter_lines()
+                first = next(lines)
+                bad = client.post(COMPLETIONS, json={"prompt": poisoned, "max_tokens": 3})
+                rest = [first] + [line for line in lines if line]
+    finally:
+        fake_model.step_delay = 0.0
+    assert bad.status_code != 200 or bad.json()["choices"][0]["finish_reason"] == "error"
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in rest[:-1]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = fake_model.expected_token_ids(tokenizer.encode("red green"), params)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(expected)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.xfail(strict=True, reason="the server answers 200 with finish_reason 'error' and no error body "
+                   "for a request the engine failed alone (it does not read RequestOutput.error yet)")
+def test_a_request_failed_by_the_model_is_an_error_response(http, poisoned):
+    _error(http.post(COMPLETIONS, json={"prompt": poisoned, "max_tokens": 3}), 500)
+    r = http.post(COMPLETIONS, json={"prompt": poisoned, "max_tokens": 3, "stream": True})
+    payloads = parse_sse(r.content)
+    assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
 
 
 # -- CORS, root path ----------------------------------------------------------------------------------

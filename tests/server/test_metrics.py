@@ -60,7 +60,7 @@ def test_prometheus_logger_records_everything():
         ),
     )
     # the scheduler's counters are per-step deltas: each record adds its own
-    p.record(SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=5, num_preemptions=0), IterationStats())
+    p.record(SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=5), IterationStats())
     s = _samples(p)
     assert s[("aserve:num_requests_running", m)] == 0  # the latest snapshot
     assert s[("aserve:prefix_cache_queries_total", m)] == 150

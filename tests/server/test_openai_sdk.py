@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_harness import recording_engine, quiet_args, running_server
+from tests.server.server_harness import quiet_args, recording_engine, running_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -301,8 +301,8 @@ def test_completions_echo_logprobs(client, tokenizer):
     assert all(len(d) >= 2 for d in lp.top_logprobs[prompt_len:])
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: OutputProcessor.add_request tracks cumulative_logprob only "
-                   "when the user asked for logprobs, so best_of returns the first n samples, not the n best")
+@pytest.mark.xfail(strict=True, reason="engine bug: OutputProcessor.add_request tracks cumulative_logprob "
+                   "only when the user asked for logprobs, so best_of returns the first n samples")
 def test_completions_best_of_returns_the_n_most_likely(client, engine, tokenizer, fake_model):
     resp = client.completions.create(model=MODEL, prompt="pick", max_tokens=3, n=2, best_of=4, seed=1)
     prompt_ids, params = _last_added(engine)
@@ -477,7 +477,8 @@ def test_metrics_counters_move(client, server):
 
 
 def test_api_key(model_folder, fake_model):
-    with running_server(lambda: recording_engine(model_folder, fake_model), quiet_args(api_key="sekret")) as address:
+    make = lambda: recording_engine(model_folder, fake_model)  # noqa: E731
+    with running_server(make, quiet_args(api_key="sekret")) as address:
         with openai.OpenAI(base_url=f"{address.url}/v1", api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError) as info:
                 bad.models.list()
