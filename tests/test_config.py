@@ -45,12 +45,14 @@ def test_unknown_argument():
         EngineArgs.from_kwargs(no_such_flag=1)
 
 
-def test_defaults_follow_vllm(model_dir):
+@pytest.mark.parametrize(("native_bf16", "dtype"), [("0", "float32"), ("1", "bfloat16")])
+def test_defaults_follow_vllm(model_dir, monkeypatch, native_bf16, dtype):
+    monkeypatch.setenv("ASERVE_CPU_BF16", native_bf16)  # what the CPU probe reports
     cfg = EngineArgs(model=model_dir).create_config(model_path=model_dir)
     assert cfg.cache.block_size == 16 and cfg.scheduler.max_num_seqs == 256
     assert cfg.model.max_model_len == 512 and cfg.model.max_logprobs == 20
     assert cfg.scheduler.policy == "fcfs" and cfg.scheduler.preemption_mode == "recompute"
-    assert cfg.model.dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")  # fp32 checkpoint, on CPU
+    assert cfg.model.dtype == dtype  # an fp32 checkpoint on CPU: bf16 only where the CPU has it natively
     assert cfg.runner.attention_backend == "torch" and cfg.device.device == "cpu"
     assert cfg.model.served_model_names == (model_dir,)
 

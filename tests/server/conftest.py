@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+import openai
 import pytest
 
 from tests.server.server_harness import (
@@ -41,7 +43,8 @@ def fake_model(model_folder: str) -> FakeModel:
 def running(model_folder: str, fake_model: FakeModel) -> Iterator[RunningServer]:
     """One server per module: fcfs would refuse `priority`, so the shared engine schedules by priority."""
     def make():
-        return recording_engine(model_folder, fake_model, served_model_name=SERVED_NAMES, scheduling_policy="priority")
+        return recording_engine(model_folder, fake_model, served_model_name=SERVED_NAMES,
+                                scheduling_policy="priority")
 
     with running_server(make, quiet_args()) as server:
         yield server
@@ -55,6 +58,19 @@ def server(running: RunningServer) -> RunningServer:
 @pytest.fixture(scope="module")
 def engine(running: RunningServer) -> RecordingAsyncEngine:
     return running.engine
+
+
+@pytest.fixture(scope="module")
+def http(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=20) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    """The official OpenAI SDK client, pointed at the module's server."""
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture

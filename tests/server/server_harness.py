@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import httpx
 
 from aserve.engine.async_engine import AsyncEngine, RequestStream
 from aserve.engine.llm_engine import LLMEngine
@@ -20,6 +21,12 @@ from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
 from aserve.server.launch import BoundAddress, serve
 from tests.support.fake_model import FakeModel, engine_args, fake_executor_factory
+
+MODEL = "fake-model"
+CHATML_USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # a user turn, ChatML
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hello"}]
 
 
 @dataclass
@@ -57,6 +64,18 @@ def recording_engine(folder: str, model: FakeModel, **overrides: Any) -> Recordi
     factory = fake_executor_factory(model)
     return RecordingAsyncEngine(LLMEngine.from_engine_args(engine_args(folder, **overrides),
                                                            executor_factory=factory))
+
+
+def last_added(engine: RecordingAsyncEngine) -> tuple[list[int], SamplingParams]:
+    """The prompt token ids and sampling parameters of the last request the server handed the engine."""
+    added = engine.added[-1]
+    return added.prompt_token_ids, added.params
+
+
+def expected_text(model: FakeModel, tokenizer: Any, prompt_ids: list[int], params: SamplingParams,
+                  index: int = 0) -> str:
+    """What sample `index` says (before stop strings): the fake model's tokens, decoded."""
+    return tokenizer.decode(model.expected_token_ids(prompt_ids, params, index))
 
 
 def quiet_args(**kwargs: Any) -> ServerArgs:
@@ -108,3 +127,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def parse_sse(raw: bytes) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing on the way."""
+    assert raw.endswith(b"\n\n")
+    events = raw.decode().split("\n\n")[:-1]
+    payloads = []
+    for e in events:
+        assert e.startswith("data: ") and "\n" not in e, e
+        payloads.append(e[len("data: ") :])
+    return payloads
+
+
+def error_body(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """Checks `r` is an OpenAI-format error with `status` (and `param`); returns its `error` object."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err

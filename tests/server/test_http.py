@@ -1,5 +1,6 @@
 """Raw HTTP against a real server (the real engine over a fake model): SSE framing, every error path,
-disconnects, health, draining, engine death."""
+health, CORS and root path, chat templates, TLS. A request's life (disconnects, draining, engine
+death) is in test_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -7,39 +8,24 @@ import json
 import shutil
 import ssl
 import subprocess
-import threading
-import time
 
 import httpx
 import pytest
 
-from aserve.sampling_params import SamplingParams
-from aserve.server.launch import EngineDiedError
-from tests.server.server_harness import quiet_args, recording_engine, running_server, wait_until
+from tests.server.server_harness import (
+    CHAT,
+    COMPLETIONS,
+    USER,
+    error_body,
+    parse_sse,
+    quiet_args,
+    recording_engine,
+    running_server,
+    wait_until,
+)
 from tests.support.fake_model import FakeModel, build_model_folder
 
 pytestmark = pytest.mark.timeout(60)
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-USER = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=20) as client:
-        yield client
-
-
-def parse_sse(raw: bytes) -> list[str]:
-    """Split an SSE body into its data payloads, checking the framing on the way."""
-    assert raw.endswith(b"\n\n")
-    events = raw.decode().split("\n\n")[:-1]
-    payloads = []
-    for e in events:
-        assert e.startswith("data: ") and "\n" not in e, e
-        payloads.append(e[len("data: ") :])
-    return payloads
 
 
 # -- SSE framing ------------------------------------------------------------------------------------
@@ -68,18 +54,6 @@ def test_completion_sse_framing_with_echo(http):
 
 
 # -- errors -----------------------------------------------------------------------------------------
-
-
-def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -131,27 +105,23 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(http, path, body, param):
-    err = _error(http.post(path, json=body), 400, param)
+    err = error_body(http.post(path, json=body), 400, param)
     assert err["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_empty_body(http):
-    assert (
-        _error(http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}), 400)[
-            "code"
-        ]
-        == "invalid_json"
-    )
-    assert _error(http.post(COMPLETIONS, content=b""), 400)["code"] == "invalid_json"
-    _error(http.post(CHAT, content=b"[1, 2]"), 400)
+    truncated = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert error_body(truncated, 400)["code"] == "invalid_json"
+    assert error_body(http.post(COMPLETIONS, content=b""), 400)["code"] == "invalid_json"
+    error_body(http.post(CHAT, content=b"[1, 2]"), 400)
 
 
 def test_context_length(http, tokenizer):
     long_prompt = " ".join(["alpha"] * 300)  # > max_model_len (256) tokens
-    err = _error(http.post(COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
+    err = error_body(http.post(COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
     assert err["code"] == "context_length_exceeded" and "256" in err["message"]
     prompt_len = len(tokenizer.encode("alpha beta"))
-    err = _error(
+    err = error_body(
         http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len + 1}),
         400,
         "max_tokens",
@@ -159,11 +129,11 @@ def test_context_length(http, tokenizer):
     assert "256" in err["message"]
     ok = http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len})
     assert ok.status_code == 200
-    err = _error(
+    err = error_body(
         http.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}), 400, "messages"
     )
     assert err["code"] == "context_length_exceeded"
-    _error(
+    error_body(
         http.post(CHAT, json={"messages": USER, "max_completion_tokens": 1000}), 400, "max_completion_tokens"
     )
     truncated = http.post(
@@ -188,100 +158,24 @@ def test_chat_default_max_tokens_fills_the_context(server, engine):
 
 
 def test_unknown_model_404(http):
-    err = _error(http.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "model")
+    err = error_body(http.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "model")
     assert err["code"] == "model_not_found"
-    _error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
+    error_body(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
 
 
 def test_routing_errors_use_openai_format(http):
-    assert _error(http.get("/v1/nothing-here"), 404)["code"] == "not_found"
-    _error(http.get(CHAT), 405)
-    _error(http.post("/tokenize", json={}), 400, "prompt")
-    _error(http.post("/tokenize", json={"prompt": "a", "messages": USER}), 400, "prompt")
-    _error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
-    _error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+    assert error_body(http.get("/v1/nothing-here"), 404)["code"] == "not_found"
+    error_body(http.get(CHAT), 405)
+    error_body(http.post("/tokenize", json={}), 400, "prompt")
+    error_body(http.post("/tokenize", json={"prompt": "a", "messages": USER}), 400, "prompt")
+    error_body(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    error_body(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
 
 
 def test_version_and_health(http):
     assert http.get("/version").json()["version"]
     r = http.get("/health")
     assert r.status_code == 200 and r.content == b""
-
-
-# -- disconnects ------------------------------------------------------------------------------------
-
-
-def test_stream_disconnect_aborts_and_frees_blocks(server, engine, fake_model):
-    fake_model.step_delay = 0.02
-    try:
-        with httpx.Client(base_url=server.url, timeout=10) as client:
-            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 200, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-                request_id = engine.added[-1].request_id
-                wait_until(lambda: engine.get_scheduler_stats().num_used_blocks > 0)
-            # leaving the block closes the connection mid-stream
-        wait_until(lambda: request_id in engine.aborted)
-        wait_until(lambda: engine.get_scheduler_stats().num_used_blocks == 0)
-        assert request_id not in engine.streams
-    finally:
-        fake_model.step_delay = 0.0
-
-
-def test_non_stream_disconnect_aborts(server, engine, fake_model):
-    fake_model.pause()
-    try:
-        with httpx.Client(base_url=server.url, timeout=0.5) as client:
-            with pytest.raises(httpx.ReadTimeout):
-                client.post(COMPLETIONS, json={"prompt": "wait for me", "max_tokens": 50})
-        request_id = engine.added[-1].request_id
-        wait_until(lambda: request_id in engine.aborted)
-        stats = engine.get_scheduler_stats()
-        assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.num_used_blocks == 0
-    finally:
-        fake_model.resume()
-
-
-# -- a request the model fails alone ----------------------------------------------------------------
-
-
-@pytest.fixture
-def poisoned(fake_model, tokenizer):
-    """Prompts equal to "omega omega omega" fail in the runner (RunnerOutput.failed_requests)."""
-    poison = tokenizer.encode("omega omega omega")
-    fake_model.fail_if = lambda req_id, prompt: "logits processor raised" if prompt == poison else None
-    yield "omega omega omega"
-    fake_model.fail_if = None
-
-
-def test_a_request_failed_by_the_model_ends_alone(server, fake_model, tokenizer, poisoned):
-    fake_model.step_delay = 0.01
-    try:
-        with httpx.Client(base_url=server.url, timeout=20) as client:
-            body = {"prompt": "red green", "max_tokens": 8, "temperature": 0, "stream": True}
-            with client.stream("POST", COMPLETIONS, json=body) as healthy:
-                lines = healthy.iter_lines()
-                first = next(lines)
-                bad = client.post(COMPLETIONS, json={"prompt": poisoned, "max_tokens": 3})
-                rest = [first] + [line for line in lines if line]
-    finally:
-        fake_model.step_delay = 0.0
-    assert bad.status_code != 200 or bad.json()["choices"][0]["finish_reason"] == "error"
-    assert rest[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: ") :]) for line in rest[:-1]]
-    params = SamplingParams(temperature=0, max_tokens=8)
-    expected = fake_model.expected_token_ids(tokenizer.encode("red green"), params)
-    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(expected)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-
-
-@pytest.mark.xfail(strict=True, reason="the server answers 200 with finish_reason 'error' and no error body "
-                   "for a request the engine failed alone (it does not read RequestOutput.error yet)")
-def test_a_request_failed_by_the_model_is_an_error_response(http, poisoned):
-    _error(http.post(COMPLETIONS, json={"prompt": poisoned, "max_tokens": 3}), 500)
-    r = http.post(COMPLETIONS, json={"prompt": poisoned, "max_tokens": 3, "stream": True})
-    payloads = parse_sse(r.content)
-    assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
 
 
 # -- CORS, root path ----------------------------------------------------------------------------------
@@ -326,7 +220,7 @@ def test_no_chat_template_is_a_clear_400(tmp_path):
     plain = build_model_folder(tmp_path, special_tokens=("<|endoftext|>",))
     with running_server(lambda: recording_engine(plain, FakeModel.for_folder(plain)), quiet_args()) as srv:
         with httpx.Client(base_url=srv.url) as client:
-            err = _error(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
+            err = error_body(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
             assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
             inline = client.post(
                 CHAT,
@@ -346,68 +240,6 @@ def test_chat_template_flag_overrides(model_folder, fake_model, tokenizer):
         with httpx.Client(base_url=srv.url) as client:
             assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
         assert tokenizer.decode(srv.engine.added[-1].prompt_token_ids) == "[user] hello\n"
-
-
-# -- shutdown and engine death ----------------------------------------------------------------------
-
-
-def test_draining_refuses_new_requests_and_finishes_in_flight(model_folder, fake_model):
-    fake_model.pause()
-    result: dict = {}
-    try:
-        args = quiet_args(shutdown_grace_period=10)
-        with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
-            keepalive = httpx.Client(base_url=srv.url, timeout=10)
-            assert keepalive.get("/health").status_code == 200  # an open keep-alive connection
-
-            def in_flight():
-                with httpx.Client(base_url=srv.url, timeout=10) as c:
-                    result["response"] = c.post(COMPLETIONS, json={"prompt": "slow", "max_tokens": 5})
-
-            thread = threading.Thread(target=in_flight)
-            thread.start()
-            wait_until(lambda: len(srv.engine.streams) == 1)
-            srv.request_stop()
-            time.sleep(0.2)
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(f"{srv.url}/health", timeout=2)
-            try:
-                refused = keepalive.get("/health")
-                assert refused.status_code == 503
-            except httpx.TransportError:
-                pass  # the server closed the idle keep-alive connection: refused as well
-            fake_model.resume()
-            thread.join(10)
-            srv.future.result(timeout=10)
-            keepalive.close()
-    finally:
-        fake_model.resume()
-    response = result["response"]
-    assert response.status_code == 200
-    assert response.json()["choices"][0]["finish_reason"] == "length"
-
-
-def test_engine_death_ends_streams_fails_health_and_serve(model_folder, tokenizer):
-    model = FakeModel.for_folder(model_folder)
-    model.pause()
-    with running_server(lambda: recording_engine(model_folder, model), quiet_args(), join=False) as srv:
-        with httpx.Client(base_url=srv.url, timeout=10) as client:
-            assert client.get("/health").status_code == 200
-            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 5, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-                model.fatal = RuntimeError("boom")  # the runner raises: fatal for the engine
-                model.resume()
-                rest = [line for line in lines if line]
-            assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_error"
-            assert rest[-1] == "data: [DONE]"
-            # the server lingers (ENGINE_DEATH_LINGER_S) answering 503 before it stops
-            err = _error(client.get("/health"), 503)
-            assert err["type"] == "service_unavailable"
-            assert _error(client.post(CHAT, json={"messages": USER}), 503)["code"] == "engine_dead"
-        with pytest.raises(EngineDiedError) as info:
-            srv.future.result(timeout=10)
-        assert "boom" in str(info.value)
 
 
 def test_tls(model_folder, fake_model, tmp_path):
