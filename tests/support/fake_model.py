@@ -109,7 +109,7 @@ class FakeModel:
         self.num_blocks = num_blocks
         # req_id, prompt token ids -> a message to fail that request alone (None: it runs)
         self.fail_if: Callable[[str, list[int]], str | None] | None = None
-        self.fatal: BaseException | None = None  # raised by the next execute
+        self.fatal: BaseException | None = None  # raised by `execute` while set
         self._running = threading.Event()
         self._running.set()
         self.num_steps = 0
