@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny random-weight HF models built on the fly, the bundled model, HF greedy references."""
+"""Shared fixtures: tiny random-weight HF models built on the fly, the bundled model, stat totals, and the
+one GPU-skip hook (`gpu`-marked tests are skipped without CUDA)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
 
 # Keep torch from oversubscribing the two CI cores when several engines/processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -30,37 +33,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def build_tiny_model(path, arch: str = "llama", **overrides) -> str:
-    """Saves a tiny random-weight HF model (fp32 safetensors) to `path`; returns the folder.
-
-    Weights use a larger init than HF's default so logits are well separated: greedy decoding is
-    then stable under float rounding differences, which keeps token-for-token comparisons meaningful.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
-
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
-                  tie_word_embeddings=False)
-    common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
-    config = cls(**common)
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(str(path), safe_serialization=True)
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_hf(path, "llama", seed=1234, perturb=False, tie_word_embeddings=True, **GREEDY_STABLE)
     return str(path)
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    save_tiny_hf(path, "qwen2", seed=1234, perturb=False, tie_word_embeddings=False, **GREEDY_STABLE)
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -76,25 +60,6 @@ def smol_tokenizer(bundled_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(bundled_model_path)
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[list[int]]:
-    """Hugging Face transformers' greedy generate in fp32, one prompt at a time (no padding effects)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, attention_mask=torch.ones_like(ids))
-            if ignore_eos:
-                kwargs.update(eos_token_id=None, pad_token_id=0)
-            out = model.generate(ids, **kwargs)
-            outs.append(out[0, len(p):].tolist())
-    return outs
 
 
 class StatTotals:

@@ -94,7 +94,8 @@ class OutputProcessor:
             samples.append(SampleState(
                 index=i, req_id=child_request_id(request_id, i, num), detokenizer=detok,
                 logprobs=[] if params.logprobs is not None and user_wants_logprobs else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None))
+                # best_of ranks samples by cumulative logprob, so it is tracked for it too.
+                cumulative_logprob=0.0 if params.logprobs is not None or params.num_samples > params.n else None))
         state = RequestState(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
             user_wants_logprobs=user_wants_logprobs, samples=samples,

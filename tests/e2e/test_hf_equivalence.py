@@ -11,7 +11,7 @@ import random
 import pytest
 
 from aserve import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.support.tiny_models import hf_greedy
 
 MAX_NEW = 12
 _rng = random.Random(7)

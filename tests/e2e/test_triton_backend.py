@@ -14,7 +14,7 @@ import pytest
 
 from aserve import SamplingParams
 from aserve.model.attention.triton_backend import TritonAttentionBackend
-from tests.conftest import hf_greedy
+from tests.support.tiny_models import hf_greedy
 
 MAX_NEW = 4
 _rng = random.Random(11)

@@ -100,7 +100,8 @@ def test_worker_death_fails_requests_and_health(tiny_llama):
         executors: list = []
         engine = _engine(tiny_llama, executors, distributed_executor_backend="mp")
         pid = executors[0].pid
-        with pytest.raises(BaseException):  # the engine loop re-raises, failing its task group
+        # the engine loop re-raises the executor's error, failing its task group
+        with pytest.RaisesGroup(ExecutorDeadError):
             async with anyio.create_task_group() as tg:
                 await tg.start(engine.run)
                 params = SamplingParams(temperature=0, max_tokens=240 - len(PROMPTS[0]), ignore_eos=True,

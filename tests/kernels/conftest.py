@@ -18,17 +18,6 @@ if not torch.cuda.is_available():
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Skip `gpu`-marked tests in this package when CUDA is absent."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    here = os.path.dirname(__file__)
-    for item in items:
-        if "gpu" in item.keywords and str(item.path).startswith(here):
-            item.add_marker(skip)
-
-
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

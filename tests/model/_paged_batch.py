@@ -1,4 +1,5 @@
-"""Test helper: a hand-built paged KV cache and per-step AttentionMetadata (what the runner does).
+"""Test helper: a hand-built paged KV cache and per-step AttentionMetadata (what the runner does), and
+the naive dense attention the paged paths are compared with.
 
 Blocks come from a shuffled free list, so block tables are non-contiguous; block tables are padded
 wider than needed (with 0) to check that backends only read what `seq_lens` covers.
@@ -68,3 +69,18 @@ class PagedBatch:
             sliding_window=self.sliding_window,
         )
         return (torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), meta)
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """q [Q, H, D] at absolute `q_positions`; k/v [L, KVH, D] at positions 0..L-1. fp32 math."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    k_pos = torch.arange(k.shape[0])
+    allowed = k_pos[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > q_positions[:, None] - sliding_window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

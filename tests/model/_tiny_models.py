@@ -1,5 +1,4 @@
-"""Test helper: tiny random-weight Hugging Face models saved as fp32 safetensors, and our model loaded
-from the same folder, plus a driver that runs a schedule of chunks through the paged model."""
+"""Test helper: our model loaded from a tiny Hugging Face folder (tests/support/tiny_models.py builds it), plus a driver that runs a schedule of chunks through the paged model."""
 
 from __future__ import annotations
 
@@ -12,35 +11,6 @@ from aserve.config import AserveConfig, EngineArgs
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import load_model
 from tests.model._paged_batch import PagedBatch
-
-VOCAB = 500
-COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-          "initializer_range": 0.08, "rms_norm_eps": 1e-6}
-
-
-def save_tiny_hf(path: Path, family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
-    """Save a tiny `family` ("llama" | "qwen2" | "mistral") model to `path`; return the HF model (eval, fp32)."""
-    import transformers
-
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[family]
-    kwargs = {**COMMON, **overrides}
-    config = config_cls(**kwargs)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():  # biases are zero-initialised by HF; make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return model
 
 
 def engine_config(path: Path, dtype: str = "float32", **kwargs) -> AserveConfig:

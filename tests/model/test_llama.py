@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from tests.model._tiny_models import VOCAB, hf_logits, load_ours, random_schedule, run_schedule, save_tiny_hf
+from tests.model._tiny_models import hf_logits, load_ours, random_schedule, run_schedule
+from tests.support.tiny_models import VOCAB, save_tiny_hf
 
 ATOL = 1e-4
 

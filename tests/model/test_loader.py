@@ -17,7 +17,8 @@ from aserve.model.loader import (
     torch_dtype,
     weight_files,
 )
-from tests.model._tiny_models import engine_config, load_ours, save_tiny_hf
+from tests.model._tiny_models import engine_config, load_ours
+from tests.support.tiny_models import save_tiny_hf
 
 
 @pytest.fixture(scope="module")

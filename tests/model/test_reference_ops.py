@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
 from aserve.kernels import reference
+from tests.model._paged_batch import naive_attention
 
 
 def make_paged(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, seed: int,
@@ -29,21 +31,6 @@ def make_paged(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim
         kv = cache[:, blocks].reshape(2, nb * block_size, num_kv_heads, head_dim)[:, :n]
         dense.append(kv)
     return cache, torch.tensor(tables, dtype=torch.int32), dense
-
-
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """q [Q, H, D] at absolute `q_positions`; k/v [L, KVH, D] at positions 0..L-1. fp32 math."""
-    group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    k_pos = torch.arange(k.shape[0])
-    allowed = k_pos[None, :] <= q_positions[:, None]
-    if sliding_window is not None:
-        allowed &= k_pos[None, :] > q_positions[:, None] - sliding_window
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

@@ -6,7 +6,7 @@ import torch
 
 from aserve.model.attention.base import AttentionMetadata
 from aserve.model.attention.torch_backend import TorchAttentionBackend
-from tests.model.test_reference_ops import naive_attention
+from tests.model._paged_batch import naive_attention
 
 
 def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=0, sliding_window=None,

@@ -20,7 +20,7 @@ from aserve.engine.llm_engine import LLMEngine
 from aserve.executor.thread import ThreadExecutor
 from aserve.runner.cuda_graphs import CudaGraphRunner, _Graph
 from aserve.runner.model_runner import ModelInputsForProfile
-from tests.conftest import hf_greedy
+from tests.support.tiny_models import hf_greedy
 
 _rng = random.Random(5)
 # Lengths from 3 to 45: most contexts span several blocks of 8 or 16 tokens.

@@ -1,32 +1,29 @@
 """Run the real launch path (`aserve.server.launch.run`: anyio + uvloop, signals, hypercorn) around the
-fake engine, for tests that need a server process: `python fake_server_main.py STEP_DELAY GRACE`."""
+real AsyncEngine over a fake model, for tests that need a server process:
+`python -m tests.server.fake_server_main STEP_DELAY GRACE` (from the repository root)."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
+import tempfile
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from fake_engine import FakeAsyncEngine, build_tokenizer  # noqa: E402
-
-from aserve.server.args import ServerArgs  # noqa: E402
-from aserve.server.launch import run  # noqa: E402
+from aserve.engine.async_engine import AsyncEngine
+from aserve.server.args import ServerArgs
+from aserve.server.launch import run
+from tests.support.fake_model import FakeModel, build_model_folder, engine_args, fake_executor_factory
 
 
 def main() -> int:
     step_delay, grace = float(sys.argv[1]), float(sys.argv[2])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s [%(name)s] %(message)s")
-    tokenizer = build_tokenizer()
-    args = ServerArgs(
-        host="127.0.0.1",
-        port=0,
-        shutdown_grace_period=grace,
-        disable_log_requests=True,
-        disable_log_stats=True,
-    )
-    run(lambda: FakeAsyncEngine(tokenizer, step_delay=step_delay), args)
+    args = ServerArgs(host="127.0.0.1", port=0, shutdown_grace_period=grace, disable_log_requests=True,
+                      disable_log_stats=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model_folder(tmp)
+        model = FakeModel.for_folder(folder, step_delay=step_delay)
+        factory = fake_executor_factory(model)
+        run(lambda: AsyncEngine.from_engine_args(engine_args(folder), executor_factory=factory), args)
     return 0
 
 

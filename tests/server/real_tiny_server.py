@@ -34,8 +34,12 @@ _CORPUS = [
 ]
 
 
-def build_tiny_chat_model(folder: Path) -> str:
-    """Save the tokenizer and the random-weight model into `folder`; returns it as a string."""
+TINY_MAX_MODEL_LEN = 128  # what `serving` uses unless told otherwise
+
+
+def build_tiny_chat_model(folder: Path, vocab_size: int = 512) -> str:
+    """Save the tokenizer and the random-weight model (vocabulary `vocab_size`, larger than the
+    tokenizer's, as padded vocabularies are) into `folder`; returns it as a string."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -55,7 +59,7 @@ def build_tiny_chat_model(folder: Path) -> str:
     fast.chat_template = CHATML
     fast.save_pretrained(folder)
     config = LlamaConfig(
-        vocab_size=512,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -74,7 +78,7 @@ def build_tiny_chat_model(folder: Path) -> str:
 def _build_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:
     from aserve.engine.async_engine import AsyncEngine
 
-    defaults = dict(max_model_len=128, dtype="float32", max_num_seqs=16, num_gpu_blocks_override=64)
+    defaults = dict(max_model_len=TINY_MAX_MODEL_LEN, dtype="float32", max_num_seqs=16, num_gpu_blocks_override=64)
     return AsyncEngine.from_engine_args(EngineArgs(model=model, **{**defaults, **engine_kwargs}))
 
 

@@ -1,19 +1,81 @@
 """Run the real server (`aserve.server.launch.serve`: hypercorn + engine loop in one anyio task group,
 on uvloop) in a blocking portal's event-loop thread, so sync and async clients can talk to it over
-real HTTP on 127.0.0.1."""
+real HTTP on 127.0.0.1. The engine is the real AsyncEngine over a fake model (tests/support/fake_model.py)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import anyio
 import anyio.from_thread
+import httpx
 
+from aserve.engine.async_engine import AsyncEngine, RequestStream
+from aserve.engine.llm_engine import LLMEngine
+from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
 from aserve.server.launch import BoundAddress, serve
+from tests.support.fake_model import FakeModel, engine_args, fake_executor_factory
+
+MODEL = "fake-model"
+CHATML_USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"  # a user turn, ChatML
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hello"}]
+
+
+@dataclass
+class AddedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class RecordingAsyncEngine(AsyncEngine):
+    """The real AsyncEngine, also recording what reached it (so tests can check what the server asked
+    for: the rendered prompt, the sampling parameters, which requests it aborted)."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__(engine)
+        self.added: list[AddedRequest] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams, priority: int = 0) -> RequestStream:
+        stream = super().add_request(request_id, prompt, prompt_token_ids, params, priority)
+        self.added.append(AddedRequest(request_id, list(stream.prompt_token_ids), params, priority))
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        await super().abort(request_id)
+
+
+def recording_engine(folder: str, model: FakeModel, **overrides: Any) -> RecordingAsyncEngine:
+    """The real engine over `model`, serving the name "fake-model" unless told otherwise. Build it on the
+    event loop's thread (it creates anyio primitives)."""
+    overrides.setdefault("served_model_name", "fake-model")
+    factory = fake_executor_factory(model)
+    return RecordingAsyncEngine(LLMEngine.from_engine_args(engine_args(folder, **overrides),
+                                                           executor_factory=factory))
+
+
+def last_added(engine: RecordingAsyncEngine) -> tuple[list[int], SamplingParams]:
+    """The prompt token ids and sampling parameters of the last request the server handed the engine."""
+    added = engine.added[-1]
+    return added.prompt_token_ids, added.params
+
+
+def expected_text(model: FakeModel, tokenizer: Any, prompt_ids: list[int], params: SamplingParams,
+                  index: int = 0) -> str:
+    """What sample `index` says (before stop strings): the fake model's tokens, decoded."""
+    return tokenizer.decode(model.expected_token_ids(prompt_ids, params, index))
 
 
 def quiet_args(**kwargs: Any) -> ServerArgs:
@@ -22,15 +84,70 @@ def quiet_args(**kwargs: Any) -> ServerArgs:
     return ServerArgs(**{**base, **kwargs})
 
 
+@dataclass
+class RunningServer:
+    engine: RecordingAsyncEngine
+    address: BoundAddress
+    portal: anyio.from_thread.BlockingPortal
+    stop: anyio.Event
+    future: Any  # concurrent.futures.Future of `serve`
+
+    @property
+    def url(self) -> str:
+        return self.address.url
+
+    def request_stop(self) -> None:
+        self.portal.call(self.stop.set)
+
+
 @contextlib.contextmanager
-def running_server(engine: Any, args: ServerArgs | None = None) -> Iterator[BoundAddress]:
-    """Serve `engine` on 127.0.0.1 (a free port) in a portal thread; stops it gracefully on exit."""
+def running_server(make_engine: Callable[[], Any], args: ServerArgs | None = None,
+                   join: bool = True) -> Iterator[RunningServer]:
+    """Serve `make_engine()` (called on the loop thread) on 127.0.0.1, a free port, in a portal thread;
+    on exit stops it gracefully and (with `join`) waits for `serve` to return."""
     args = ServerArgs(**{**vars(args or quiet_args()), "host": "127.0.0.1", "port": 0})
     with anyio.from_thread.start_blocking_portal("asyncio", backend_options={"use_uvloop": True}) as portal:
+        engine = portal.call(make_engine)
         stop = portal.call(anyio.Event)
         future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
+        server = RunningServer(engine, address, portal, stop, future)
         try:
-            yield address
+            yield server
         finally:
             portal.call(stop.set)
-            future.result(timeout=60)
+            if join:
+                future.result(timeout=60)
+            else:
+                with contextlib.suppress(BaseException):
+                    future.result(timeout=60)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def parse_sse(raw: bytes) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing on the way."""
+    assert raw.endswith(b"\n\n")
+    events = raw.decode().split("\n\n")[:-1]
+    payloads = []
+    for e in events:
+        assert e.startswith("data: ") and "\n" not in e, e
+        payloads.append(e[len("data: ") :])
+    return payloads
+
+
+def error_body(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """Checks `r` is an OpenAI-format error with `status` (and `param`); returns its `error` object."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from real_tiny_server import build_tiny_chat_model
+from tests.server.real_tiny_server import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from real_tiny_server import build_tiny_chat_model
+from tests.server.real_tiny_server import build_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(180)
 

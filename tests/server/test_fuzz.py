@@ -22,10 +22,10 @@ import msgspec
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from real_tiny_server import build_tiny_chat_model, serving
+from tests.server.real_tiny_server import build_tiny_chat_model, serving
 from schemathesis import GenerationMode
 from schemathesis.core import NotSet
-from server_harness import quiet_args
+from tests.server.server_harness import quiet_args
 
 from aserve.server.protocol import ErrorResponse
 

@@ -19,7 +19,8 @@ from aserve.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from tests.server.tiny_real_server import TINY_MAX_MODEL_LEN, build_tiny_served_model, running_tiny_server
+from tests.server.real_tiny_server import TINY_MAX_MODEL_LEN, build_tiny_chat_model, serving
+from tests.server.server_harness import quiet_args
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,8 +32,8 @@ USER = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = build_tiny_served_model(tmp_path_factory.mktemp("tiny_served"))
-    with running_tiny_server(path, max_logprobs=MAX_LOGPROBS) as (_, address):
+    path = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_served"), vocab_size=1536)
+    with serving(path, quiet_args(), max_logprobs=MAX_LOGPROBS) as (_, address):
         with httpx.Client(base_url=address.url, timeout=120) as client:
             yield client
 

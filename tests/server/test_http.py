@@ -1,4 +1,6 @@
-"""Raw HTTP against a real server: SSE framing, every error path, disconnects, health, draining."""
+"""Raw HTTP against a real server (the real engine over a fake model): SSE framing, every error path,
+health, CORS and root path, chat templates, TLS. A request's life (disconnects, draining, engine
+death) is in test_lifecycle.py."""
 
 from __future__ import annotations
 
@@ -6,48 +8,24 @@ import json
 import shutil
 import ssl
 import subprocess
-import threading
-import time
-from functools import partial
 
-import anyio
-import anyio.from_thread
 import httpx
 import pytest
-from fake_engine import EngineDeadError, FakeAsyncEngine, build_tokenizer
-from server_harness import quiet_args, running_server
 
-from aserve.server.launch import serve
+from tests.server.server_harness import (
+    CHAT,
+    COMPLETIONS,
+    USER,
+    error_body,
+    parse_sse,
+    quiet_args,
+    recording_engine,
+    running_server,
+    wait_until,
+)
+from tests.support.fake_model import FakeModel, build_model_folder
 
 pytestmark = pytest.mark.timeout(60)
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-USER = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=20) as client:
-        yield client
-
-
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
-def parse_sse(raw: bytes) -> list[str]:
-    """Split an SSE body into its data payloads, checking the framing on the way."""
-    assert raw.endswith(b"\n\n")
-    events = raw.decode().split("\n\n")[:-1]
-    payloads = []
-    for e in events:
-        assert e.startswith("data: ") and "\n" not in e, e
-        payloads.append(e[len("data: ") :])
-    return payloads
 
 
 # -- SSE framing ------------------------------------------------------------------------------------
@@ -76,18 +54,6 @@ def test_completion_sse_framing_with_echo(http):
 
 
 # -- errors -----------------------------------------------------------------------------------------
-
-
-def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -139,27 +105,23 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
     ],
 )
 def test_invalid_fields_are_400_naming_the_field(http, path, body, param):
-    err = _error(http.post(path, json=body), 400, param)
+    err = error_body(http.post(path, json=body), 400, param)
     assert err["type"] == "invalid_request_error"
 
 
 def test_malformed_json_and_empty_body(http):
-    assert (
-        _error(http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"}), 400)[
-            "code"
-        ]
-        == "invalid_json"
-    )
-    assert _error(http.post(COMPLETIONS, content=b""), 400)["code"] == "invalid_json"
-    _error(http.post(CHAT, content=b"[1, 2]"), 400)
+    truncated = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert error_body(truncated, 400)["code"] == "invalid_json"
+    assert error_body(http.post(COMPLETIONS, content=b""), 400)["code"] == "invalid_json"
+    error_body(http.post(CHAT, content=b"[1, 2]"), 400)
 
 
 def test_context_length(http, tokenizer):
     long_prompt = " ".join(["alpha"] * 300)  # > max_model_len (256) tokens
-    err = _error(http.post(COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
+    err = error_body(http.post(COMPLETIONS, json={"prompt": long_prompt}), 400, "prompt")
     assert err["code"] == "context_length_exceeded" and "256" in err["message"]
     prompt_len = len(tokenizer.encode("alpha beta"))
-    err = _error(
+    err = error_body(
         http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len + 1}),
         400,
         "max_tokens",
@@ -167,11 +129,11 @@ def test_context_length(http, tokenizer):
     assert "256" in err["message"]
     ok = http.post(COMPLETIONS, json={"prompt": "alpha beta", "max_tokens": 256 - prompt_len})
     assert ok.status_code == 200
-    err = _error(
+    err = error_body(
         http.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}), 400, "messages"
     )
     assert err["code"] == "context_length_exceeded"
-    _error(
+    error_body(
         http.post(CHAT, json={"messages": USER, "max_completion_tokens": 1000}), 400, "max_completion_tokens"
     )
     truncated = http.post(
@@ -188,74 +150,32 @@ def test_chat_default_max_tokens_fills_the_context(server, engine):
     with httpx.Client(base_url=server.url, timeout=10) as client:
         with client.stream("POST", CHAT, json={"messages": USER, "stream": True, "max_tokens": None}) as r:
             assert next(r.iter_lines()).startswith("data: ")
-            request_id, prompt_ids, params, _ = engine.added[-1]
-    assert params.max_tokens == 256 - len(prompt_ids)
-    wait_until(lambda: request_id not in engine.requests)  # the disconnect aborted it
+            added = engine.added[-1]
+    assert added.params.max_tokens == 256 - len(added.prompt_token_ids)
+    wait_until(lambda: added.request_id not in engine.streams)  # finished, or aborted by the disconnect
+    full = httpx.post(f"{server.url}{CHAT}", json={"messages": USER, "max_tokens": None}, timeout=30).json()
+    assert full["usage"]["total_tokens"] == 256 and full["choices"][0]["finish_reason"] == "length"
 
 
 def test_unknown_model_404(http):
-    err = _error(http.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "model")
+    err = error_body(http.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "model")
     assert err["code"] == "model_not_found"
-    _error(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
+    error_body(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
 
 
 def test_routing_errors_use_openai_format(http):
-    assert _error(http.get("/v1/nothing-here"), 404)["code"] == "not_found"
-    _error(http.get(CHAT), 405)
-    _error(http.post("/tokenize", json={}), 400, "prompt")
-    _error(http.post("/tokenize", json={"prompt": "a", "messages": USER}), 400, "prompt")
-    _error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
-    _error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+    assert error_body(http.get("/v1/nothing-here"), 404)["code"] == "not_found"
+    error_body(http.get(CHAT), 405)
+    error_body(http.post("/tokenize", json={}), 400, "prompt")
+    error_body(http.post("/tokenize", json={"prompt": "a", "messages": USER}), 400, "prompt")
+    error_body(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    error_body(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
 
 
 def test_version_and_health(http):
     assert http.get("/version").json()["version"]
     r = http.get("/health")
     assert r.status_code == 200 and r.content == b""
-
-
-def test_unhealthy_engine_gives_503(http, engine):
-    engine.errored = True
-    try:
-        err = _error(http.get("/health"), 503)
-        assert err["type"] == "service_unavailable"
-        assert _error(http.post(CHAT, json={"messages": USER}), 503)["code"] == "engine_dead"
-    finally:
-        engine.errored = False
-    assert http.get("/health").status_code == 200
-
-
-# -- disconnects ------------------------------------------------------------------------------------
-
-
-def test_stream_disconnect_aborts_and_frees_blocks(server, engine):
-    engine.step_delay = 0.02
-    try:
-        with httpx.Client(base_url=server.url, timeout=10) as client:
-            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 200, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-                request_id = engine.added[-1][0]
-                wait_until(lambda: engine.get_scheduler_stats().num_used_blocks > 0)
-            # leaving the block closes the connection mid-stream
-        wait_until(lambda: request_id in engine.aborted)
-        wait_until(lambda: engine.get_scheduler_stats().num_used_blocks == 0)
-        assert request_id not in engine.requests
-    finally:
-        engine.step_delay = 0.002
-
-
-def test_non_stream_disconnect_aborts(server, engine):
-    engine.paused = True
-    try:
-        with httpx.Client(base_url=server.url, timeout=0.5) as client:
-            with pytest.raises(httpx.ReadTimeout):
-                client.post(COMPLETIONS, json={"prompt": "wait for me", "max_tokens": 50})
-        request_id = engine.added[-1][0]
-        wait_until(lambda: request_id in engine.aborted)
-        assert engine.get_scheduler_stats().num_running_reqs == 0
-    finally:
-        engine.paused = False
 
 
 # -- CORS, root path ----------------------------------------------------------------------------------
@@ -277,10 +197,10 @@ def test_cors_preflight_and_simple_request(http):
     assert r.headers["access-control-allow-origin"] == "*"
 
 
-def test_restricted_cors_and_root_path(tokenizer):
+def test_restricted_cors_and_root_path(model_folder, fake_model):
     args = quiet_args(allowed_origins=("http://good.test",), root_path="/api")
-    with running_server(FakeAsyncEngine(tokenizer), args) as address:
-        with httpx.Client(base_url=address.url) as client:
+    with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+        with httpx.Client(base_url=srv.url) as client:
             ok = client.options(
                 CHAT, headers={"Origin": "http://good.test", "Access-Control-Request-Method": "POST"}
             )
@@ -296,11 +216,11 @@ def test_restricted_cors_and_root_path(tokenizer):
             )
 
 
-def test_no_chat_template_is_a_clear_400():
-    plain = build_tokenizer(special_tokens=("<|endoftext|>",))
-    with running_server(FakeAsyncEngine(plain), quiet_args()) as address:
-        with httpx.Client(base_url=address.url) as client:
-            err = _error(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
+def test_no_chat_template_is_a_clear_400(tmp_path):
+    plain = build_model_folder(tmp_path, special_tokens=("<|endoftext|>",))
+    with running_server(lambda: recording_engine(plain, FakeModel.for_folder(plain)), quiet_args()) as srv:
+        with httpx.Client(base_url=srv.url) as client:
+            err = error_body(client.post(CHAT, json={"messages": USER}), 400, "chat_template")
             assert err["code"] == "no_chat_template" and "--chat-template" in err["message"]
             inline = client.post(
                 CHAT,
@@ -314,77 +234,15 @@ def test_no_chat_template_is_a_clear_400():
             assert client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
-def test_chat_template_flag_overrides(tokenizer):
+def test_chat_template_flag_overrides(model_folder, fake_model, tokenizer):
     args = quiet_args(chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
-    engine = FakeAsyncEngine(tokenizer)
-    with running_server(engine, args) as address:
-        with httpx.Client(base_url=address.url) as client:
+    with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+        with httpx.Client(base_url=srv.url) as client:
             assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
-    assert tokenizer.decode(engine.added[-1][1]) == "[user] hello\n"
+        assert tokenizer.decode(srv.engine.added[-1].prompt_token_ids) == "[user] hello\n"
 
 
-# -- shutdown and engine death ----------------------------------------------------------------------
-
-
-def test_draining_refuses_new_requests_and_finishes_in_flight(tokenizer):
-    engine = FakeAsyncEngine(tokenizer)
-    engine.paused = True
-    args = quiet_args(host="127.0.0.1", port=0, shutdown_grace_period=10)
-    result: dict = {}
-    with anyio.from_thread.start_blocking_portal("asyncio", backend_options={"use_uvloop": True}) as portal:
-        stop = portal.call(anyio.Event)
-        future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
-        keepalive = httpx.Client(base_url=address.url, timeout=10)
-        assert keepalive.get("/health").status_code == 200  # an open keep-alive connection
-
-        def in_flight():
-            with httpx.Client(base_url=address.url, timeout=10) as c:
-                result["response"] = c.post(COMPLETIONS, json={"prompt": "slow", "max_tokens": 5})
-
-        thread = threading.Thread(target=in_flight)
-        thread.start()
-        wait_until(lambda: len(engine.requests) == 1)
-        portal.call(stop.set)
-        time.sleep(0.2)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{address.url}/health", timeout=2)
-        try:
-            refused = keepalive.get("/health")
-            assert refused.status_code == 503
-        except httpx.TransportError:
-            pass  # the server closed the idle keep-alive connection: refused as well
-        engine.paused = False
-        thread.join(10)
-        future.result(timeout=10)
-        keepalive.close()
-    response = result["response"]
-    assert response.status_code == 200
-    assert response.json()["choices"][0]["finish_reason"] == "length"
-
-
-def test_engine_death_ends_streams_and_fails_serve(tokenizer):
-    engine = FakeAsyncEngine(tokenizer)
-    engine.paused = True
-    args = quiet_args(host="127.0.0.1", port=0)
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        stop = portal.call(anyio.Event)
-        future, address = portal.start_task(partial(serve, engine, args, stop=stop, handle_signals=False))
-        with httpx.Client(base_url=address.url, timeout=10) as client:
-            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 5, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-                portal.call(engine.kill, RuntimeError("boom"))
-                rest = [line for line in lines if line]
-        assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_error"
-        assert rest[-1] == "data: [DONE]"
-        with pytest.raises(BaseException) as info:
-            future.result(timeout=10)
-        group = info.value
-        causes = group.exceptions if isinstance(group, BaseExceptionGroup) else [group]
-        assert any(isinstance(c, EngineDeadError) for c in causes)
-
-
-def test_tls(tokenizer, tmp_path):
+def test_tls(model_folder, fake_model, tmp_path):
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is not installed")
@@ -413,11 +271,11 @@ def test_tls(tokenizer, tmp_path):
         timeout=60,
     )
     args = quiet_args(ssl_keyfile=str(key), ssl_certfile=str(cert))
-    with running_server(FakeAsyncEngine(tokenizer), args) as address:
-        url = f"https://127.0.0.1:{address.port}"
+    with running_server(lambda: recording_engine(model_folder, fake_model), args) as srv:
+        url = f"https://127.0.0.1:{srv.address.port}"
         with httpx.Client(base_url=url, verify=ssl.create_default_context(cafile=str(cert))) as client:
             assert client.get("/health").status_code == 200
             r = client.post(COMPLETIONS, json={"prompt": "secure", "max_tokens": 2, "stream": True})
             assert parse_sse(r.content)[-1] == "[DONE]"
         with pytest.raises(httpx.TransportError):
-            httpx.get(f"http://127.0.0.1:{address.port}/health", timeout=5)
+            httpx.get(f"http://127.0.0.1:{srv.address.port}/health", timeout=5)

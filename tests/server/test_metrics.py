@@ -59,14 +59,12 @@ def test_prometheus_logger_records_everything():
             finished_requests=[_finished("stop"), _finished("length"), _finished("abort")],
         ),
     )
-    # the scheduler's counters are per-step deltas: they add up
-    p.record(
-        SchedulerStats(prefix_cache_queries=150, prefix_cache_hits=45, num_preemptions=0), IterationStats()
-    )
+    # the scheduler's counters are per-step deltas: each record adds its own
+    p.record(SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=5), IterationStats())
     s = _samples(p)
     assert s[("aserve:num_requests_running", m)] == 0  # the latest snapshot
-    assert s[("aserve:prefix_cache_queries_total", m)] == 250
-    assert s[("aserve:prefix_cache_hits_total", m)] == 85
+    assert s[("aserve:prefix_cache_queries_total", m)] == 150
+    assert s[("aserve:prefix_cache_hits_total", m)] == 45
     assert s[("aserve:num_preemptions_total", m)] == 2
     assert s[("aserve:prompt_tokens_total", m)] == 10
     assert s[("aserve:generation_tokens_total", m)] == 4

@@ -1,4 +1,6 @@
-"""The official `openai` SDK (sync and async, streaming and not) against a real server on 127.0.0.1."""
+"""The official `openai` SDK (sync and async, streaming and not) against a real server on 127.0.0.1
+(the real engine over a fake model): models, chat, concurrency. Completions are in
+test_openai_sdk_completions.py."""
 
 from __future__ import annotations
 
@@ -6,29 +8,11 @@ import anyio
 import httpx
 import openai
 import pytest
-from fake_engine import FakeAsyncEngine
-from prometheus_client.parser import text_string_to_metric_families
-from server_harness import quiet_args, running_server
+
+from tests.server.server_harness import CHATML_USER, MODEL, expected_text, last_added
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "fake-model"
-CHATML_USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
-        yield c
-
-
-def _expected_text(engine: FakeAsyncEngine, tokenizer, prompt_ids, params, index=0) -> str:
-    return tokenizer.decode(engine.expected_token_ids(prompt_ids, params, index))
-
-
-def _last_added(engine: FakeAsyncEngine):
-    request_id, prompt_ids, params, priority = engine.added[-1]
-    return prompt_ids, params
 
 
 def test_models_list(client):
@@ -36,16 +20,16 @@ def test_models_list(client):
     assert ids == ["fake-model", "fake-alias"]
 
 
-def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, tokenizer):
+def test_chat_greedy_uses_chatml_prompt_and_returns_engine_text(client, engine, tokenizer, fake_model):
     resp = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello world"}], temperature=0, max_tokens=6
     )
-    prompt_ids, params = _last_added(engine)
+    prompt_ids, params = last_added(engine)
     assert prompt_ids == tokenizer.encode(CHATML_USER.format("hello world"), add_special_tokens=False)
     assert params.max_tokens == 6 and params.temperature == 0
     choice = resp.choices[0]
     assert choice.message.role == "assistant"
-    assert choice.message.content == _expected_text(engine, tokenizer, prompt_ids, params)
+    assert choice.message.content == expected_text(fake_model, tokenizer, prompt_ids, params)
     assert choice.finish_reason == "length"
     assert resp.usage.prompt_tokens == len(prompt_ids)
     assert resp.usage.completion_tokens == 6
@@ -72,7 +56,7 @@ def test_chat_content_parts_and_system_role(client, engine, tokenizer):
             {"role": "user", "content": "four"},
         ],
     )
-    prompt_ids, _ = _last_added(engine)
+    prompt_ids, _ = last_added(engine)
     expected = (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\none\ntwo<|im_end|>\n"
         "<|im_start|>assistant\nthree<|im_end|>\n" + CHATML_USER.format("four")
@@ -122,7 +106,7 @@ def test_chat_continuous_usage_stats(client):
     assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
 
 
-def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokenizer):
+def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokenizer, fake_model):
     resp = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "many"}],
@@ -131,10 +115,10 @@ def test_chat_n_with_seed_gives_distinct_indexed_choices(client, engine, tokeniz
         temperature=1.0,
         max_tokens=5,
     )
-    prompt_ids, params = _last_added(engine)
+    prompt_ids, params = last_added(engine)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     for c in resp.choices:
-        assert c.message.content == _expected_text(engine, tokenizer, prompt_ids, params, c.index)
+        assert c.message.content == expected_text(fake_model, tokenizer, prompt_ids, params, c.index)
     assert len({c.message.content for c in resp.choices}) == 3
     assert resp.usage.completion_tokens == 15
 
@@ -178,11 +162,11 @@ def test_seed_reproducibility(client):
     assert ask(5) != ask(6)
 
 
-def test_chat_stop_string(client, engine, tokenizer):
+def test_chat_stop_string(client, engine, tokenizer, fake_model):
     messages = [{"role": "user", "content": "stop test"}]
     free = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
-    prompt_ids, params = _last_added(engine)
-    tokens = engine.expected_token_ids(prompt_ids, params)
+    prompt_ids, params = last_added(engine)
+    tokens = fake_model.expected_token_ids(prompt_ids, params)
     stop_word = tokenizer.decode([tokens[4]])
     first = tokenizer.decode(tokens).find(stop_word)
     resp = client.chat.completions.create(
@@ -235,7 +219,8 @@ def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):
             "priority": 2,
         },
     )
-    request_id, _, params, priority = engine.added[-1]
+    added = engine.added[-1]
+    params, priority = added.params, added.priority
     assert (params.max_tokens, params.presence_penalty, params.frequency_penalty) == (3, 0.5, 0.25)
     assert params.logit_bias == {5: 1.0}
     assert (params.top_k, params.min_p, params.repetition_penalty, params.min_tokens) == (5, 0.1, 1.1, 1)
@@ -244,7 +229,7 @@ def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):
     assert priority == 2
 
 
-def test_chat_echo_and_continue_final_message(client, engine, tokenizer):
+def test_chat_echo_and_continue_final_message(client, engine, tokenizer, fake_model):
     resp = client.chat.completions.create(
         model=MODEL,
         max_tokens=3,
@@ -252,80 +237,10 @@ def test_chat_echo_and_continue_final_message(client, engine, tokenizer):
         messages=[{"role": "user", "content": "finish this"}, {"role": "assistant", "content": "the quick"}],
         extra_body={"add_generation_prompt": False, "continue_final_message": True, "echo": True},
     )
-    prompt_ids, params = _last_added(engine)
+    prompt_ids, params = last_added(engine)
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\nthe quick")
     text = resp.choices[0].message.content
-    assert text == "the quick" + _expected_text(engine, tokenizer, prompt_ids, params)
-
-
-def test_completions_sync(client, engine, tokenizer):
-    resp = client.completions.create(model=MODEL, prompt="hello world", max_tokens=5, temperature=0)
-    prompt_ids, params = _last_added(engine)
-    assert prompt_ids == tokenizer.encode("hello world")
-    assert resp.choices[0].text == _expected_text(engine, tokenizer, prompt_ids, params)
-    assert resp.object == "text_completion"
-    assert resp.usage.prompt_tokens == len(prompt_ids) and resp.usage.completion_tokens == 5
-
-
-def test_completions_prompt_forms(client, tokenizer):
-    ids = tokenizer.encode("one two three")
-    by_text = client.completions.create(model=MODEL, prompt="one two three", max_tokens=3, temperature=0)
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
-    assert by_ids.choices[0].text == by_text.choices[0].text
-    many = client.completions.create(
-        model=MODEL, prompt=["one two three", "red green"], max_tokens=3, temperature=0, n=2
-    )
-    assert [c.index for c in many.choices] == [0, 1, 2, 3]
-    assert many.choices[0].text == by_text.choices[0].text
-    assert many.usage.prompt_tokens == len(ids) + len(tokenizer.encode("red green"))
-    id_lists = client.completions.create(
-        model=MODEL, prompt=[ids, tokenizer.encode("red green")], max_tokens=3, temperature=0
-    )
-    assert [c.text for c in id_lists.choices] == [many.choices[0].text, many.choices[2].text]
-
-
-def test_completions_echo_logprobs(client, tokenizer):
-    resp = client.completions.create(
-        model=MODEL, prompt="hello world", max_tokens=3, logprobs=2, echo=True, temperature=0
-    )
-    lp = resp.choices[0].logprobs
-    prompt_len = len(tokenizer.encode("hello world"))
-    assert resp.choices[0].text.startswith("hello world")
-    assert len(lp.tokens) == prompt_len + 3
-    assert "".join(lp.tokens) == resp.choices[0].text
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(v is not None for v in lp.token_logprobs[1:])
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    assert all(len(d) >= 2 for d in lp.top_logprobs[prompt_len:])
-
-
-def test_completions_best_of(client):
-    resp = client.completions.create(model=MODEL, prompt="pick", max_tokens=3, n=2, best_of=4, seed=1)
-    assert [c.index for c in resp.choices] == [0, 1]
-
-
-def test_completions_stream(client):
-    full = client.completions.create(model=MODEL, prompt=["the cat", "the dog"], max_tokens=4, temperature=0)
-    chunks = list(
-        client.completions.create(
-            model=MODEL,
-            prompt=["the cat", "the dog"],
-            max_tokens=4,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    texts = {0: "", 1: ""}
-    finish = {}
-    for ch in chunks:
-        for c in ch.choices:
-            texts[c.index] += c.text
-            if c.finish_reason:
-                finish[c.index] = c.finish_reason
-    assert texts == {c.index: c.text for c in full.choices}
-    assert finish == {0: "length", 1: "length"}
-    assert chunks[-1].usage.completion_tokens == 8
+    assert text == "the quick" + expected_text(fake_model, tokenizer, prompt_ids, params)
 
 
 @pytest.mark.anyio
@@ -349,7 +264,7 @@ async def test_async_client_stream_and_non_stream(server, engine, tokenizer):
 
 
 @pytest.mark.anyio
-async def test_32_concurrent_streams_complete_with_correct_text(server, engine, tokenizer):
+async def test_32_concurrent_streams_complete_with_correct_text(server, engine, tokenizer, fake_model):
     words = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "one"]
     prompts = [f"{words[i % 8]} {words[(i // 8) % 8]} {i}" for i in range(32)]
 
@@ -372,115 +287,15 @@ async def test_32_concurrent_streams_complete_with_correct_text(server, engine, 
     limits = httpx.Limits(max_connections=64)
     async with openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key="x", max_retries=0, http_client=httpx.AsyncClient(limits=limits)
-    ) as client:
-        async with anyio.create_task_group() as tg:
+    ) as client, anyio.create_task_group() as tg:
 
-            async def run(p):
-                results[p] = await one(client, p)
+        async def run(p):
+            results[p] = await one(client, p)
 
-            for p in prompts:
-                tg.start_soon(run, p)
-    params = engine.added[-1][2]
+        for p in prompts:
+            tg.start_soon(run, p)
+    params = engine.added[-1].params
     for p in prompts:
         prompt_ids = tokenizer.encode(CHATML_USER.format(p), add_special_tokens=False)
-        expected = tokenizer.decode(engine.expected_token_ids(prompt_ids, params))
+        expected = tokenizer.decode(fake_model.expected_token_ids(prompt_ids, params))
         assert results[p] == (expected, "length")
-
-
-def test_tokenize_detokenize_round_trip(server, tokenizer):
-    with httpx.Client(base_url=server.url) as http:
-        text = "the quick brown fox, wörld!"
-        tok = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
-        assert tok["tokens"] == tokenizer.encode(text)
-        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
-        back = http.post("/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}).json()
-        assert back == {"prompt": text}
-        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
-        assert chat["tokens"] == tokenizer.encode(CHATML_USER.format("hi"), add_special_tokens=False)
-        strs = http.post("/tokenize", json={"prompt": "hello", "return_token_strs": True}).json()
-        assert len(strs["token_strs"]) == strs["count"]
-
-
-def _metrics(http: httpx.Client) -> dict[str, float]:
-    text = http.get("/metrics").text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-            key = sample.name + (f"{{{labels}}}" if labels else "")
-            values[key] = values.get(key, 0.0) + sample.value
-            assert sample.labels.get("model_name", "fake-model") == "fake-model"
-    return values
-
-
-def test_metrics_counters_move(client, server):
-    with httpx.Client(base_url=server.url) as http:
-        before = _metrics(http)
-        for _ in range(3):
-            client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4)
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=2, stop=None
-        )
-        http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
-        after = _metrics(http)
-    key = "aserve:request_success_total{finished_reason=length}"
-    assert after[key] - before.get(key, 0) == 4
-    assert after["aserve:generation_tokens_total"] - before["aserve:generation_tokens_total"] == 14
-    assert after["aserve:prompt_tokens_total"] > before["aserve:prompt_tokens_total"]
-    assert (
-        after["aserve:e2e_request_latency_seconds_count"] - before["aserve:e2e_request_latency_seconds_count"]
-        == 4
-    )
-    assert (
-        after["aserve:request_generation_tokens_sum"] - before["aserve:request_generation_tokens_sum"] == 14
-    )
-    assert (
-        after["aserve:time_to_first_token_seconds_count"] > before["aserve:time_to_first_token_seconds_count"]
-    )
-    assert after["aserve:request_failure_total{reason=invalid_request}"] >= 1
-    for name in (
-        "aserve:num_requests_running",
-        "aserve:num_requests_waiting",
-        "aserve:num_requests_swapped",
-        "aserve:gpu_cache_usage_perc",
-        "aserve:kv_cache_usage_perc",
-        "aserve:prefix_cache_queries_total",
-        "aserve:prefix_cache_hits_total",
-        "aserve:num_preemptions_total",
-        "aserve:request_params_n_count",
-        "aserve:request_params_max_tokens_count",
-        "aserve:inter_token_latency_seconds_count",
-        "aserve:time_per_output_token_seconds_count",
-        "aserve:request_queue_time_seconds_count",
-        "aserve:request_inference_time_seconds_count",
-        "aserve:request_prefill_time_seconds_count",
-        "aserve:request_decode_time_seconds_count",
-        "aserve:request_prompt_tokens_count",
-    ):
-        assert name in after, name
-
-
-def test_api_key(tokenizer):
-    engine = FakeAsyncEngine(tokenizer)
-    with running_server(engine, quiet_args(api_key="sekret")) as address:
-        with openai.OpenAI(base_url=f"{address.url}/v1", api_key="wrong", max_retries=0) as bad:
-            with pytest.raises(openai.AuthenticationError) as info:
-                bad.models.list()
-            assert info.value.status_code == 401
-            assert info.value.body["code"] == "invalid_api_key"
-        with openai.OpenAI(base_url=f"{address.url}/v1", api_key="sekret", max_retries=0) as good:
-            assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
-        with httpx.Client(base_url=address.url) as http:
-            assert http.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
-            assert http.get("/health").status_code == 200
-            assert http.get("/metrics").status_code == 200
-            preflight = http.options(
-                "/v1/chat/completions",
-                headers={
-                    "Origin": "http://example.test",
-                    "Access-Control-Request-Method": "POST",
-                    "Access-Control-Request-Headers": "authorization, content-type",
-                },
-            )
-            assert preflight.status_code == 200
-            assert preflight.headers["access-control-allow-origin"] in ("*", "http://example.test")

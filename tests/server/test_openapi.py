@@ -10,8 +10,8 @@ import httpx
 import jsonschema
 import pytest
 import schemathesis
-from real_tiny_server import build_tiny_chat_model, serving
-from server_harness import quiet_args
+from tests.server.real_tiny_server import build_tiny_chat_model, serving
+from tests.server.server_harness import quiet_args
 
 from aserve.server.app import create_app
 

@@ -17,7 +17,7 @@ import anyio
 import anyio.from_thread
 import httpx
 import pytest
-from server_harness import quiet_args
+from tests.server.server_harness import quiet_args
 
 from aserve.config import EngineArgs
 from aserve.executor.thread import ThreadExecutor
@@ -49,7 +49,7 @@ class SlowRunner:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from real_tiny_server import build_tiny_chat_model
+    from tests.server.real_tiny_server import build_tiny_chat_model
 
     return build_tiny_chat_model(tmp_path_factory.mktemp("overload"))
 

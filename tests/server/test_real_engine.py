@@ -15,11 +15,11 @@ import anyio.from_thread
 import httpx
 import openai
 import pytest
-from server_harness import quiet_args
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
 from aserve.server.args import ServerArgs
 from aserve.server.launch import serve
+from tests.server.server_harness import quiet_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

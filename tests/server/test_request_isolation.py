@@ -11,7 +11,7 @@ import anyio
 import anyio.from_thread
 import httpx
 import pytest
-from server_harness import quiet_args
+from tests.server.server_harness import quiet_args
 
 from aserve.config import EngineArgs
 from aserve.core.batch import RunnerOutput
@@ -54,7 +54,7 @@ class FailOnePoisonedRequest:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    from real_tiny_server import build_tiny_chat_model
+    from tests.server.real_tiny_server import build_tiny_chat_model
 
     model = build_tiny_chat_model(tmp_path_factory.mktemp("isolation"))
 

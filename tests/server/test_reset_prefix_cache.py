@@ -12,8 +12,8 @@ import time
 
 import httpx
 import pytest
-from real_tiny_server import build_tiny_chat_model, serving
-from server_harness import quiet_args
+from tests.server.real_tiny_server import build_tiny_chat_model, serving
+from tests.server.server_harness import quiet_args
 
 
 KEY = "sk-test"

@@ -7,15 +7,16 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.tiny_real_server import build_tiny_served_model, running_tiny_server
+from tests.server.real_tiny_server import build_tiny_chat_model, serving
+from tests.server.server_harness import quiet_args
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    path = build_tiny_served_model(tmp_path_factory.mktemp("tiny_no_tokenizer"))
-    with running_tiny_server(path, skip_tokenizer_init=True) as (_, address):
+    path = build_tiny_chat_model(tmp_path_factory.mktemp("tiny_no_tokenizer"))
+    with serving(path, quiet_args(), skip_tokenizer_init=True) as (_, address):
         with httpx.Client(base_url=address.url, timeout=60) as c:
             yield c
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from real_tiny_server import build_tiny_chat_model, serving
-from server_harness import quiet_args
+from tests.server.real_tiny_server import build_tiny_chat_model, serving
+from tests.server.server_harness import quiet_args
 
 from aserve.server.args import parse_args
 
