@@ -5,6 +5,10 @@ real HTTP on 127.0.0.1. The engine is the real AsyncEngine over a fake model (te
 from __future__ import annotations
 
 import contextlib
+import re
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -151,3 +155,25 @@ def error_body(r: httpx.Response, status: int, param: str | None = None) -> dict
     if param is not None:
         assert err["param"] == param, err
     return err
+
+
+def start_server_process(args: list[str], cwd: str | None = None,
+                         timeout: float = 120) -> tuple[subprocess.Popen, str, list[str]]:
+    """Runs `python <args>` (a server entry point), waits for its "serving ... on URL" log line and
+    returns (process, URL, its stderr lines so far, still growing in a reader thread)."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    log: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stderr is not None
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        log.append(line)
+        match = re.search(r"serving .* on (https?://\S+)", line)
+        if match:
+            threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+            return proc, match.group(1), log
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(log))

@@ -10,37 +10,23 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+
 from tests.server.real_tiny_server import build_tiny_chat_model
+from tests.server.server_harness import start_server_process
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _start(model: str) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve.server.cli", "--model", model, "--dtype", "float32",
-         "--max-model-len", "128", "--max-num-seqs", "2", "--num-gpu-blocks-override", "64",
-         "--host", "127.0.0.1", "--port", "0", "--disable-log-requests", "--disable-log-stats",
-         "--shutdown-grace-period", "60"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    log: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        log.append(line)
-        match = re.search(r"serving .* on (http://\S+)", line)
-        if match:
-            threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-            return proc, match.group(1), log
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(log))
+    return start_server_process([
+        "-m", "aserve.server.cli", "--model", model, "--dtype", "float32", "--max-model-len", "128",
+        "--max-num-seqs", "2", "--num-gpu-blocks-override", "64", "--host", "127.0.0.1", "--port", "0",
+        "--disable-log-requests", "--disable-log-stats", "--shutdown-grace-period", "60"])
 
 
 def _queued(url: str) -> int:

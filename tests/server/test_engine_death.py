@@ -4,17 +4,15 @@ answers 503 within a second, and the `aserve` process exits non-zero (a supervis
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+
 from tests.server.real_tiny_server import build_tiny_chat_model
+from tests.server.server_harness import start_server_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,25 +26,10 @@ def _children(pid: int) -> list[int]:
 
 
 def _start(model: str) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve.server.cli", "--model", model,
-         "--distributed-executor-backend", "mp", "--dtype", "float32", "--max-model-len", "256",
-         "--cpu-kvcache-space", "0.02", "--host", "127.0.0.1", "--port", "0", "--disable-log-requests",
-         "--disable-log-stats"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    log: list[str] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        log.append(line)
-        match = re.search(r"serving .* on (http://\S+)", line)
-        if match:
-            threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-            return proc, match.group(1), log
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(log))
+    return start_server_process([
+        "-m", "aserve.server.cli", "--model", model, "--distributed-executor-backend", "mp", "--dtype",
+        "float32", "--max-model-len", "256", "--cpu-kvcache-space", "0.02", "--host", "127.0.0.1", "--port",
+        "0", "--disable-log-requests", "--disable-log-stats"])
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc to find the worker process")

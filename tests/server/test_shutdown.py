@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.server.server_harness import start_server_process
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -21,27 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_server(step_delay: float, grace: float) -> tuple[subprocess.Popen, str, list[str]]:
     """`tests/server/fake_server_main.py`: the real launch path and engine over a fake model."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.server.fake_server_main", str(step_delay), str(grace)],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
-    log: list[str] = []
-    deadline = time.monotonic() + 60
-    assert proc.stderr is not None
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        log.append(line)
-        match = re.search(r"serving .* on (http://\S+)", line)
-        if match:
-            threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-            return proc, match.group(1), log
-    proc.kill()
-    raise AssertionError("server did not start:\n" + "".join(log))
+    return start_server_process(["-m", "tests.server.fake_server_main", str(step_delay), str(grace)],
+                                cwd=ROOT, timeout=60)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
