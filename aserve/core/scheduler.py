@@ -40,11 +40,7 @@ class Scheduler:
     """Owns the request queues and the KV cache manager. Not thread-safe: one caller at a time."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_info: KVCacheInfo) -> None:
-        mode = scheduler_config.preemption_mode or "recompute"
-        if mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode: must be 'recompute' or 'swap', got {mode!r}")
-        if scheduler_config.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy: must be 'fcfs' or 'priority', got {scheduler_config.policy!r}")
+        mode = scheduler_config.preemption_mode or "recompute"  # validated with the engine arguments
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
