@@ -187,6 +187,14 @@ class ServerState:
                 503, f"the engine cannot take requests: {exc}", code="engine_unavailable"
             ) from None
 
+    def check_guided_decoding(self, params: SamplingParams) -> None:
+        """Blocking (call it through `run_blocking`): SamplingParamsError naming the field unless
+        `params.guided_decoding` compiles. Runs the engine's own intake check, whose verdicts are
+        cached by spec, so the check at `add_request` on the event loop is a cache hit."""
+        inputs = getattr(getattr(self.engine, "engine", None), "inputs", None)
+        if params.guided_decoding is not None and inputs is not None:
+            inputs.check_guided_decoding(params)
+
     def check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing, a text that cannot fit in the context: more characters than
         max_model_len tokens of the vocabulary's longest token (saves tokenizing megabytes for a 400)."""

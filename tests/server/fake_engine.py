@@ -238,7 +238,8 @@ class FakeAsyncEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         # The real engine's intake checks (InputProcessor only reads these config fields).
-        config = SimpleNamespace(model=self.model_config, parallel=SimpleNamespace(distributed_executor_backend="uni"))
+        config = SimpleNamespace(model=self.model_config, parallel=SimpleNamespace(distributed_executor_backend="uni"),
+                                 structured_outputs=SimpleNamespace(backend="auto"))
         intake = InputProcessor(config, self.tokenizer, (0,))  # type: ignore[arg-type]
         prompt_token_ids = intake.process_prompt(prompt, prompt_token_ids, params)
         send, receive = anyio.create_memory_object_stream(math.inf)
