@@ -97,8 +97,8 @@ def msgspec_replace(params: SamplingParams, **changes) -> SamplingParams:
 def test_preemption_rebuilds_grammar_state_and_gives_the_same_outputs(llm_with_runner, stat_totals):
     """Greedy guided outputs are the same with a KV pool so small that requests get preempted (their
     grammar state is rebuilt by replaying their outputs) as with plenty of room."""
-    prompts = [f"Person {i} as JSON:" for i in range(4)]
-    params = _json_params(max_tokens=40, temperature=0.0)
+    prompts = [f"Person {i} as JSON:" for i in range(3)]
+    params = _json_params(max_tokens=24, temperature=0.0)
     roomy, _ = llm_with_runner("", dtype="float32", max_model_len=64, cpu_kvcache_space=0.05)
     expected = [o.outputs[0].text for o in roomy.generate(prompts, params, use_tqdm=False)]
     tight, _ = llm_with_runner("", dtype="float32", max_model_len=64, num_gpu_blocks_override=5,
