@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from aserve.structured_outputs.params import GuidedDecodingParams
+
 _SAMPLING_EPS = 1e-5
 
 # -- request limits (the README's "Request limits" table lists each one) ----------------------------
@@ -127,10 +129,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logits_processors: list[Any] | None = None
+    # Grammar-constrained decoding (structured outputs); `structured_outputs` is vLLM's newer name
+    # for the same field: construction moves it into `guided_decoding`.
+    guided_decoding: GuidedDecodingParams | None = None
+    structured_outputs: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_outputs is not None:
+            _check(self.guided_decoding is None or self.guided_decoding == self.structured_outputs,
+                   "structured_outputs", "give either guided_decoding or structured_outputs, not both")
+            self.guided_decoding, self.structured_outputs = self.structured_outputs, None
         self.validate()
         if self.top_k == 0:
             self.top_k = -1  # 0 means "disabled", as in vLLM / OpenAI clients
@@ -173,6 +183,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self._validate_logit_bias()
         if self.logits_processors is not None:
             _check(all(callable(f) for f in self.logits_processors), "logits_processors", "must be callables")
+        if self.guided_decoding is not None:
+            _check(isinstance(self.guided_decoding, GuidedDecodingParams), "guided_decoding",
+                   "must be GuidedDecodingParams (StructuredOutputsParams)")
+            self.guided_decoding.validate()  # whether it compiles is checked at intake
 
     def _validate_stop(self) -> None:
         if self.stop is None:

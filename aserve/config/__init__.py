@@ -27,11 +27,12 @@ from aserve.config.schema import (
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 __all__ = [
     "BUNDLED_MODEL_NAME", "DTYPE_CHOICES", "KV_CACHE_DTYPE_CHOICES", "LOAD_FORMATS", "RESOLVED_DTYPES",
     "SUPPORTED_ARCHITECTURES", "AserveConfig", "ArchConfig", "CacheConfig", "ConfigError", "DeviceConfig",
     "EngineArgs", "GiB", "KVCacheInfo", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
-    "SchedulerConfig", "cpu_has_native_bf16", "resolve_dtype",
+    "SchedulerConfig", "StructuredOutputsConfig", "cpu_has_native_bf16", "resolve_dtype",
 ]

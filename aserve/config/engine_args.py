@@ -11,6 +11,7 @@ downstream validates these values again.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import types
@@ -32,6 +33,9 @@ _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
 _TOKENIZER_MODES = ("auto", "slow")
 _GENERATION_CONFIG = ("auto", "vllm")
+# --guided-decoding-backend: what aserve serves, and vLLM backends it refuses by name.
+GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
+_UNSHIPPED_GUIDED_BACKENDS = ("outlines", "lm-format-enforcer")
 # EngineArgs fields limited to a set of values: (field, allowed, how errors name them; None = the tuple).
 _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("dtype", DTYPE_CHOICES, None),
@@ -94,6 +98,9 @@ class EngineArgs:
     attention_backend: str | None = None
     quantization: str | None = None
     disable_sliding_window: bool = False
+    guided_decoding_backend: str = "auto"
+    # vLLM's newer spelling: {"backend": "xgrammar", ...}; its backend wins over guided_decoding_backend.
+    structured_outputs_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -115,6 +122,7 @@ class EngineArgs:
         self._validate_numbers()
         self._validate_combinations()
         self._reject_unimplemented()
+        self.resolved_guided_decoding_backend()
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
                       cuda_available: bool = False) -> AserveConfig:
@@ -183,6 +191,28 @@ class EngineArgs:
                 "quantized weights are not implemented; GGUF files are dequantized at load time")
         require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
         require(self.tokenizer_mode != "slow", "tokenizer_mode", "'slow' tokenizers are not implemented; use 'auto'")
+
+
+    def resolved_guided_decoding_backend(self) -> str:
+        """The bare backend name from --structured-outputs-config or --guided-decoding-backend
+        ("auto" | "xgrammar" | "guidance"); ConfigError for outlines / lm-format-enforcer (not
+        shipped), unknown names, or guidance without llguidance installed. A vLLM option suffix
+        (`xgrammar:no-fallback`) is accepted and dropped."""
+        arg, value = "guided_decoding_backend", self.guided_decoding_backend
+        if self.structured_outputs_config is not None:
+            unknown = set(self.structured_outputs_config) - {"backend", "disable_fallback", "disable_any_whitespace",
+                                                             "disable_additional_properties", "reasoning_parser"}
+            require(not unknown, "structured_outputs_config", f"unknown key(s) {sorted(unknown)}")
+            if "backend" in self.structured_outputs_config:
+                arg, value = "structured_outputs_config", self.structured_outputs_config["backend"]
+        bare = str(value).strip().lower().split(":", 1)[0]
+        require(bare not in _UNSHIPPED_GUIDED_BACKENDS, arg,
+                f"the {bare!r} backend is not supported by aserve; use 'auto', 'xgrammar' or 'guidance'")
+        require(bare in GUIDED_DECODING_BACKENDS, arg,
+                f"must be one of {GUIDED_DECODING_BACKENDS}, got {value!r}")
+        require(bare != "guidance" or importlib.util.find_spec("llguidance") is not None, arg,
+                "'guidance' needs the llguidance package (pip install llguidance)")
+        return bare
 
 
 def _has_type(value: Any, tp: Any) -> bool:

@@ -28,6 +28,7 @@ from aserve.config.schema import (
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
             disable_async_output_proc=args.disable_async_output_proc,
         ),
+        structured_outputs=StructuredOutputsConfig(backend=args.resolved_guided_decoding_backend()),
     )
 
 

@@ -90,6 +90,14 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding: the backend a request that names none uses ("auto": xgrammar,
+    or guidance for what only it serves; "xgrammar"; "guidance")."""
+
+    backend: str = "auto"
+
+
+@dataclass(frozen=True)
 class AserveConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -98,6 +106,7 @@ class AserveConfig:
     device: DeviceConfig
     parallel: ParallelConfig
     runner: RunnerConfig
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 @dataclass(frozen=True)

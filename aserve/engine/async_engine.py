@@ -134,6 +134,11 @@ class AsyncEngine:
         """A live view of the scheduler (gauges now); does not consume the per-step counters."""
         return self.engine.core.current_stats()
 
+    def check_guided_decoding(self, params: SamplingParams) -> None:
+        """Blocking (call it off the event loop): SamplingParamsError naming the field unless the
+        request's grammar spec compiles; verdicts are cached by spec, so intake's own check is a hit."""
+        self.engine.inputs.check_guided_decoding(params)
+
     async def reset_prefix_cache(self) -> bool:
         """vLLM's POST /reset_prefix_cache: False (nothing done) while requests hold KV blocks."""
         return self.engine.core.reset_prefix_cache()

@@ -12,7 +12,9 @@ SamplingParams' terms ("prompt" for the prompt); the server maps it to the OpenA
 - token ids in `stop_token_ids`, `allowed_token_ids` (at most vocab_size of them) and `logit_bias`
   keys are in [0, vocab_size);
 - `logprobs` and `prompt_logprobs` <= `--max-logprobs`;
-- `stop` strings need a tokenizer (text is matched); `logits_processors` need the in-process executor.
+- `stop` strings need a tokenizer (text is matched); `logits_processors` need the in-process executor;
+- `guided_decoding` needs a tokenizer and must compile (`SpecChecker`, cached by spec; the server
+  runs `check_guided_decoding` in a worker thread first, so the check here is a cache hit).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import msgspec
 
 from aserve.config import AserveConfig
 from aserve.core.request import Request
+from aserve.structured_outputs.params import GrammarCompileError
+from aserve.structured_outputs.registry import SpecChecker
 from aserve.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError, check_token_ids, show
 
 
@@ -44,6 +48,7 @@ class InputProcessor:
         self.vocab_size = config.model.arch.vocab_size
         self.max_logprobs = config.model.max_logprobs
         self.in_process = config.parallel.distributed_executor_backend == "uni"
+        self.spec_checker = SpecChecker(config.structured_outputs.backend)
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -89,6 +94,22 @@ class InputProcessor:
                   "use stop_token_ids instead")
         if params.logits_processors and not self.in_process:
             _fail("logits_processors", "need the in-process executor (--distributed-executor-backend uni)")
+        if params.guided_decoding is not None:
+            self.check_guided_decoding(params)
+
+    def check_guided_decoding(self, params: SamplingParams) -> None:
+        """SamplingParamsError naming the request field unless `params.guided_decoding` (if any)
+        compiles. Blocking on a new spec (the first call imports the grammar backend): the server
+        calls it in a worker thread before submitting; verdicts are cached by spec."""
+        if params.guided_decoding is None:
+            return
+        if self.tokenizer is None:
+            _fail("guided_decoding", "structured outputs need a tokenizer (the server runs with "
+                  "--skip-tokenizer-init)")
+        try:
+            self.spec_checker.check(params.guided_decoding)
+        except GrammarCompileError as e:
+            _fail(e.field, e.message)
 
     def check_prompt(self, prompt_token_ids: Any, params: SamplingParams) -> list[int]:
         """The prompt's token ids after `truncate_prompt_tokens`, checked against the vocabulary and

@@ -5,8 +5,11 @@ override) -> `capture_graphs()` (CUDA only) -> `execute(SchedulerOutput) -> Runn
 It never decides policy: it runs exactly what the scheduler emitted, and trusts its input (intake
 validated it).
 
-Failures: what can be pinned on one request (building its sampling state, running its logits
-processors) fails that request alone: its state is dropped, it is left out of the step's sampling and
+Guided requests (structured outputs) keep a grammar state in `runner/structured.py`; the step's
+bitmask is filled on a helper thread while the forward pass runs and applied in the sampler.
+
+Failures: what can be pinned on one request (building its sampling state or its grammar, running its
+logits processors, its grammar rejecting the sampled token) fails that request alone: its state is dropped, it is left out of the step's sampling and
 reported in `RunnerOutput.failed_requests`. Anything else `execute` raises (the forward pass) is fatal.
 """
 
@@ -24,6 +27,7 @@ from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
+from aserve.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class ModelRunner:
         self.cpu_kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(self.arch.vocab_size, self.device, seed=config.model.seed)
+        self.structured = StructuredOutputs(config, max_num_rows=config.scheduler.max_num_seqs)
         self.graph_runner: CudaGraphRunner | None = None
         self.force_static_decode = force_static_decode
         self.static_sizes = capture_sizes(config.scheduler.max_num_seqs)
@@ -165,14 +170,24 @@ class ModelRunner:
         built."""
         token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         num_prompt = len(new.prompt_token_ids)
-        sampling = self.sampler.states.add(new.sampling_params, token_ids, num_prompt,
-                                           new.stop_token_ids_for_min_tokens)
+        guided = None
+        if new.sampling_params.guided_decoding is not None:
+            guided = self.structured.add(new.req_id, new.sampling_params.guided_decoding, new.output_token_ids,
+                                         new.stop_token_ids_for_min_tokens)
+        try:
+            sampling = self.sampler.states.add(new.sampling_params, token_ids, num_prompt,
+                                               new.stop_token_ids_for_min_tokens)
+        except Exception:
+            self.structured.remove(new.req_id)
+            raise
+        sampling.grammar = guided
         self.states[new.req_id] = CachedRequestState(
             req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=num_prompt, params=new.sampling_params,
             block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, sampling=sampling)
 
     def _remove_request(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
+        self.structured.remove(req_id)
         if state is not None:
             self.sampler.states.remove(state.sampling)
 
@@ -228,6 +243,7 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 
         inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled])
+        fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
         hidden = self._forward(inputs)
 
         prompt_logprobs = {}
@@ -242,7 +258,8 @@ class ModelRunner:
         if sample_req_ids:
             idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            result = self.sampler.sample(logits, [self.states[r].sampling for r in sample_req_ids])
+            result = self.sampler.sample(logits, [self.states[r].sampling for r in sample_req_ids],
+                                         self.structured.finish_fill(fill))
             result_ids, result_logprobs = result.sampled_token_ids, result.logprobs
             if result.failed:
                 for i, message in result.failed.items():
@@ -251,6 +268,16 @@ class ModelRunner:
                     prompt_logprobs.pop(req_id, None)
                     self._remove_request(req_id)
                 sample_req_ids = [r for i, r in enumerate(sample_req_ids) if i not in result.failed]
+            rejected = self.structured.accept(sample_req_ids, result_ids)
+            if rejected:
+                keep = [i for i, r in enumerate(sample_req_ids) if r not in rejected]
+                for req_id, message in rejected.items():
+                    failed[req_id] = message
+                    prompt_logprobs.pop(req_id, None)
+                    self._remove_request(req_id)
+                sample_req_ids = [sample_req_ids[i] for i in keep]
+                result_ids = [result_ids[i] for i in keep]
+                result_logprobs = [result_logprobs[i] for i in keep]
 
         for req_id, num in zip(inputs.req_ids, inputs.num_scheduled):
             state = self.states.get(req_id)

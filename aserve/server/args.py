@@ -17,6 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
+from aserve.server.reasoning import REASONING_PARSERS
+from aserve.server.tool_parsers import TOOL_PARSERS
+
+TOOL_PARSER_NAMES = tuple(sorted(TOOL_PARSERS))
+REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))
 
 _ENGINE_HELP = {
     "model": f"model name, Hugging Face folder or .gguf file; empty means the bundled {BUNDLED_MODEL_NAME}",
@@ -37,6 +42,9 @@ _ENGINE_HELP = {
     "disable_log_stats": "no periodic stats log line",
     "tensor_parallel_size": "tensor-parallel degree (only 1 is implemented)",
     "pipeline_parallel_size": "pipeline-parallel degree (only 1 is implemented)",
+    "guided_decoding_backend": "grammar engine for structured outputs: auto, xgrammar or guidance "
+    "(a request's guided_decoding_backend overrides it)",
+    "structured_outputs_config": 'vLLM\'s newer spelling, a JSON object, e.g. \'{"backend": "xgrammar"}\'',
 }
 _SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 
@@ -70,6 +78,12 @@ class ServerArgs:
     max_num_queued_tokens: int = 0  # 0: unbounded
     max_request_body_bytes: int = 32 * 1024 * 1024  # 0: unbounded
     request_timeout: float | None = None  # seconds; None: no timeout
+
+    # tool calling and reasoning (issue 12)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    enable_reasoning: bool = False
+    reasoning_parser: str | None = None
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -251,6 +265,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tool_and_reasoning_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tool calling and reasoning")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls out of the output under tool_choice "auto" (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
+                   help="how tool calls are written in the model's output")
+    g.add_argument("--enable-reasoning", action="store_true",
+                   help="return reasoning as reasoning_content (needs --reasoning-parser)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
+                   help="how the model marks its reasoning (implies --enable-reasoning)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aserve",
@@ -258,6 +284,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(parser)
     add_server_arguments(parser)
+    add_tool_and_reasoning_arguments(parser)
     return parser
 
 
@@ -281,6 +308,8 @@ def split_namespace(
         server_values["api_key"] = environ.get("ASERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         server_values[name] = tuple(server_values[name])
+    if server_values.get("reasoning_parser"):
+        server_values["enable_reasoning"] = True  # vLLM: --reasoning-parser implies it
     server_args = ServerArgs(**server_values)
     validate_server_args(server_args)
     return engine_args, server_args
@@ -321,6 +350,14 @@ def validate_server_args(args: ServerArgs) -> None:
         )
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise ValueError(f"--root-path: must start with '/' and not end with '/', got {args.root_path!r}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSER_NAMES:
+        raise ValueError(f"--tool-call-parser: must be one of {TOOL_PARSER_NAMES}, got {args.tool_call_parser!r}")
+    if args.enable_reasoning and not args.reasoning_parser:
+        raise ValueError("--enable-reasoning needs --reasoning-parser (deepseek_r1 or qwen3)")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSER_NAMES:
+        raise ValueError(f"--reasoning-parser: must be one of {REASONING_PARSER_NAMES}, got {args.reasoning_parser!r}")
 
 
 def parse_args(

@@ -21,11 +21,13 @@ from aserve.server.errors import (
     sampling_errors_as_400,
     unsupported,
 )
+from aserve.server.chat_outputs import ChatOutputPlan, ChoiceOutput
 from aserve.server.params import (
     build_sampling_params,
     chat_logprobs,
     check_stream_options,
     default_max_tokens,
+    guided_decoding_from_request,
     usage,
 )
 from aserve.server.protocol import (
@@ -84,14 +86,6 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise unsupported(
-            "response_format", "structured output (json_object / json_schema) is not implemented"
-        )
-    if req.tools:
-        raise unsupported("tools", "tool calling is not implemented")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling is not implemented")
     if req.store:
         raise unsupported("store", "this server does not store completions")
 
@@ -120,6 +114,8 @@ class _ChatJob:
     include_usage: bool
     continuous_usage: bool
     outputs: AsyncIterator[RequestOutput]
+    plan: ChatOutputPlan
+    prompt: str
     num_completion_tokens: int = 0
 
 
@@ -130,6 +126,7 @@ async def create_chat_completion(request: Request) -> Response:
     model = state.check_model(req.model)
     state.require_tokenizer("messages")
     _reject_unsupported(req)
+    plan = ChatOutputPlan.from_request(req, state.args)
     include_usage, continuous_usage = check_stream_options(req)
     top_logprobs = _top_logprobs(req)
     conversation = to_conversation(req.messages)
@@ -143,6 +140,7 @@ async def create_chat_completion(request: Request) -> Response:
         continue_final_message=req.continue_final_message,
         chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs,
+        tools=req.tools,
     )
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -153,10 +151,17 @@ async def create_chat_completion(request: Request) -> Response:
         )
     stream = bool(req.stream)
     fields = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_tokens_param}
+    if req.response_format is not None:
+        fields.update(guided_json="response_format", json_object="response_format")
+    if plan.tool_grammar is not None:
+        fields.update(guided_json="tools")
     with sampling_errors_as_400(fields):
+        guided = _guided_decoding(req, plan, prompt, state)
         params = build_sampling_params(
-            req, max_tokens=requested, logprobs=top_logprobs, stream=stream, defaults=defaults
+            req, max_tokens=requested, logprobs=top_logprobs, stream=stream, defaults=defaults,
+            guided_decoding=guided,
         )
+        await state.run_blocking(state.check_guided_decoding, params)  # compiles off the event loop
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = state.add_request(
             request_id, prompt, prompt_ids, params, req.priority, client_id_of(request)
@@ -181,8 +186,24 @@ async def create_chat_completion(request: Request) -> Response:
         include_usage,
         continuous_usage,
         outputs,
+        plan,
+        prompt,
     )
     return await respond(request, stream, lambda emit: _stream(job, emit), lambda: _collect(job), deadline)
+
+
+def _guided_decoding(req: ChatCompletionRequest, plan: ChatOutputPlan, prompt: str, state: ServerState):
+    """The request's grammar: response_format / guided_* or the tool_choice grammar (not both); under a
+    reasoning parser it starts after the end-of-reasoning marker."""
+    guided = guided_decoding_from_request(req)
+    if guided is not None and plan.tool_grammar is not None:
+        raise bad_request('tool_choice "required" or a named function cannot be combined with '
+                          "response_format or guided decoding", param="tool_choice")
+    guided = guided or plan.tool_grammar
+    if guided is not None and plan.grammar_waits_for_reasoning(prompt):
+        marker = state.tokenizer.encode(plan.reasoning_end_marker(), add_special_tokens=False)
+        guided = msgspec.structs.replace(guided, reasoning_end_token_ids=marker)
+    return guided
 
 
 async def _collect(job: _ChatJob) -> ChatCompletionResponse:
@@ -218,10 +239,18 @@ async def _collect(job: _ChatJob) -> ChatCompletionResponse:
             )
         reason, stop_reason = finish[i]
         content = job.echo_text + "".join(texts[i])
+        message = ChatResponseMessage(role=job.role, content=content)
+        pipeline = job.plan.new_choice(job.prompt)
+        if pipeline.active:
+            reasoning, content, calls = pipeline.extract("".join(texts[i]))
+            message = ChatResponseMessage(role=job.role, content=content, tool_calls=calls)
+            if job.plan.reasoning_parser:
+                message.reasoning_content = reasoning
+            reason = pipeline.finish_reason(reason)
         choices.append(
             ChatChoice(
                 index=i,
-                message=ChatResponseMessage(role=job.role, content=content),
+                message=message,
                 logprobs=logprobs,
                 finish_reason=reason,
                 stop_reason=stop_reason,
@@ -240,6 +269,7 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
         return chunk_event(job, ChatCompletionChunk, choices)
 
     done = False
+    pipelines: dict[int, ChoiceOutput] = {}
     try:
         first = [
             chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
@@ -263,6 +293,20 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
                         content=chat_logprobs(state.decode_token, c.token_ids, c.logprobs, job.top_logprobs)
                     )
                 finished = c.finish_reason is not None
+                pipeline = pipelines.get(c.index) or pipelines.setdefault(c.index, job.plan.new_choice(job.prompt))
+                if pipeline.active:
+                    parts = pipeline.feed(c.text) + (pipeline.finish() if finished else [])
+                    for k, part in enumerate(parts):
+                        last = finished and k == len(parts) - 1
+                        events.append(chunk([ChatChunkChoice(
+                            index=c.index, delta=DeltaMessage(**part), logprobs=logprobs if k == 0 else None,
+                            finish_reason=pipeline.finish_reason(c.finish_reason) if last else None,
+                            stop_reason=c.stop_reason if last else UNSET)]))
+                    if finished and not parts:
+                        events.append(chunk([ChatChunkChoice(
+                            index=c.index, delta=DeltaMessage(), logprobs=logprobs,
+                            finish_reason=pipeline.finish_reason(c.finish_reason), stop_reason=c.stop_reason)]))
+                    continue
                 events.append(
                     chunk(
                         [

@@ -177,8 +177,13 @@ class ChatRenderer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for `conversation`; raises APIError(400) naming the field on bad input."""
+        """The prompt text for `conversation`; raises APIError(400) naming the field on bad input.
+
+        `tools` go to the template; a template that does not mention `tools` (SmolLM2's) gets them
+        as a hermes-style system block instead, and one that does not mention `tool_calls` sees
+        earlier assistant calls as `<tool_call>` text and tool results as `<tool_response>` text."""
         if add_generation_prompt and continue_final_message:
             raise bad_request(
                 "add_generation_prompt and continue_final_message cannot both be true",
@@ -194,6 +199,7 @@ class ChatRenderer:
                 param="chat_template",
                 code="no_chat_template",
             )
+        conversation = _with_tools_as_text(conversation, tools, source)
         kwargs = dict(chat_template_kwargs or {})
         reserved = _RESERVED_KWARGS & kwargs.keys()
         if reserved:
@@ -205,7 +211,7 @@ class ChatRenderer:
             **kwargs,
             "messages": conversation,
             "add_generation_prompt": add_generation_prompt and not continue_final_message,
-            "tools": None,
+            "tools": tools or None,
         }
         try:
             text = self._compile(source).render(**context)
@@ -230,6 +236,28 @@ class ChatRenderer:
     ) -> tuple[str, list[int]]:
         text = self.render(conversation, **render_kwargs)
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _with_tools_as_text(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        source: str) -> list[dict[str, Any]]:
+    """`conversation` rewritten for a template that does not render tools or tool calls."""
+    from aserve.server.tool_parsers import hermes_tool_calls_text, with_tools_system_prompt
+
+    if tools and "tools" not in source:
+        conversation = with_tools_system_prompt(conversation, tools)
+    if "tool_calls" not in source and any(m.get("tool_calls") or m.get("role") == "tool" for m in conversation):
+        rewritten = []
+        for m in conversation:
+            if m.get("tool_calls"):
+                calls = hermes_tool_calls_text(m["tool_calls"])
+                text = m.get("content") or ""
+                m = {**{k: v for k, v in m.items() if k != "tool_calls"},
+                     "content": f"{text}\n{calls}" if text else calls}
+            elif m.get("role") == "tool":
+                m = {**m, "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+            rewritten.append(m)
+        conversation = rewritten
+    return conversation
 
 
 def _cut_after_final_message(text: str, conversation: list[dict[str, Any]]) -> str:

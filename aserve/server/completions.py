@@ -26,6 +26,7 @@ from aserve.server.errors import (
 from aserve.server.params import (
     append_completion_logprobs,
     build_sampling_params,
+    guided_decoding_from_request,
     check_stream_options,
     prompt_logprobs_dicts,
     usage,
@@ -140,7 +141,10 @@ async def create_completion(request: Request) -> Response:
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     # Intake names SamplingParams' fields; these are the request's names for them.
     fields = {"prompt_logprobs": "prompt_logprobs" if req.prompt_logprobs is not None else "logprobs"}
+    if req.response_format is not None:
+        fields.update(guided_json="response_format", json_object="response_format")
     with sampling_errors_as_400(fields):
+        guided = guided_decoding_from_request(req)
         params = build_sampling_params(
             req,
             max_tokens=req.max_tokens,
@@ -149,7 +153,9 @@ async def create_completion(request: Request) -> Response:
             best_of=req.best_of,
             prompt_logprobs=prompt_logprobs,
             defaults=state.generation_defaults,
+            guided_decoding=guided,
         )
+        await state.run_blocking(state.check_guided_decoding, params)  # compiles off the event loop
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts: list[_Prompt] = []

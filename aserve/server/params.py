@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from aserve.outputs import Logprob
-from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from aserve.structured_outputs.params import GuidedDecodingParams
 from aserve.server.errors import bad_request
 from aserve.server.protocol import (
     ChatLogprobEntry,
@@ -44,6 +47,7 @@ def build_sampling_params(
     best_of: int | None = None,
     prompt_logprobs: int | None = None,
     defaults: dict[str, Any] | None = None,
+    guided_decoding: GuidedDecodingParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from a chat/completions request. Raises SamplingParamsError naming the field
     (the caller maps it to the request's field names).
@@ -84,6 +88,7 @@ def build_sampling_params(
         logit_bias=req.logit_bias,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        guided_decoding=guided_decoding,
     )
 
 
@@ -203,3 +208,57 @@ def prompt_logprobs_dicts(
             entry.setdefault(_text(decode, token_id, sampled), _clamp(sampled.logprob))
         out.append(entry)
     return out
+
+
+# -- structured outputs ------------------------------------------------------------------------------
+
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                  ("guided_grammar", "grammar"), ("structural_tag", "structural_tag"))
+
+
+def guided_decoding_from_request(req: Any) -> GuidedDecodingParams | None:
+    """The request's output constraint: `response_format` (json_object / json_schema), vLLM's
+    `guided_*` fields and `structural_tag`, or `structured_outputs` (vLLM's newer object), with
+    `guided_whitespace_pattern` / `guided_decoding_backend`. None when nothing constrains the output.
+    Raises SamplingParamsError naming the field for a malformed one (compilation is checked at intake).
+    """
+    spec: dict[str, Any] = {}
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            spec["json_object"] = True
+        elif kind == "json_schema":
+            body = fmt.get("json_schema")
+            schema = body.get("schema") if isinstance(body, dict) else None
+            if not isinstance(schema, dict):
+                raise SamplingParamsError("response_format", "json_schema needs {json_schema: {name, schema}}")
+            spec["json"] = schema
+        elif kind != "text":
+            raise SamplingParamsError("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+    for field, kind in _GUIDED_FIELDS:
+        value = getattr(req, field)
+        if value is not None:
+            spec[kind] = value
+    if req.structured_outputs is not None:
+        so = dict(req.structured_outputs)
+        if "json" in so or "regex" in so or "choice" in so or "grammar" in so or "structural_tag" in so or \
+                "json_object" in so:
+            spec.update(so)
+        else:
+            raise SamplingParamsError("structured_outputs", "needs one of json, regex, choice, grammar, "
+                                                            "json_object, structural_tag")
+    if not spec:
+        return None
+    kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag") if k in spec]
+    if len(kinds) > 1:
+        raise SamplingParamsError("response_format", "only one output constraint may be given, got "
+                                  + ", ".join(kinds))
+    if req.guided_whitespace_pattern is not None:
+        spec["whitespace_pattern"] = req.guided_whitespace_pattern
+    if req.guided_decoding_backend is not None:
+        spec["backend"] = req.guided_decoding_backend
+    try:
+        return msgspec.convert(spec, GuidedDecodingParams)
+    except msgspec.ValidationError as exc:
+        raise SamplingParamsError("structured_outputs", str(exc)) from None

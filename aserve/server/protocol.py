@@ -128,6 +128,16 @@ class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     truncate_prompt_tokens: int | None = None
     priority: Int64 = 0
     echo: bool | None = False
+    # structured outputs: OpenAI's response_format and vLLM's guided_* / structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -136,12 +146,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
     top_logprobs: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    # OpenAI fields this server declares so that it can refuse them clearly when set.
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    store: bool | None = None
+    store: bool | None = None  # declared so that it can be refused clearly when set
     # chat templating (vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -211,6 +219,7 @@ class ChatResponseMessage(Struct):
     role: str
     content: str | None
     tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    reasoning_content: str | None | UnsetType = UNSET  # with --reasoning-parser (vLLM's field)
 
 
 class ChatChoice(Struct):
@@ -234,6 +243,8 @@ class ChatCompletionResponse(Struct):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

@@ -86,6 +86,8 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool: ...
 
+    def check_guided_decoding(self, params: SamplingParams) -> None: ...
+
 
 def package_version() -> str:
     try:
@@ -221,6 +223,13 @@ class ServerState:
         """When a request arriving now times out (anyio clock), or None without --request-timeout."""
         timeout = self.args.request_timeout
         return None if timeout is None else anyio.current_time() + timeout
+
+    def check_guided_decoding(self, params: SamplingParams) -> None:
+        """Blocking (call it through `run_blocking`): SamplingParamsError naming the field unless
+        `params.guided_decoding` compiles. Runs the engine's own intake check, whose verdicts are
+        cached by spec, so the check at `add_request` on the event loop is a cache hit."""
+        if params.guided_decoding is not None:
+            self.engine.check_guided_decoding(params)
 
     def check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing, a text that cannot fit in the context: more characters than

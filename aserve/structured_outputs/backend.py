@@ -146,9 +146,12 @@ class GrammarCompiler:
         """A fresh matcher at the start of `compiled`; completes only on a stop token."""
         return GrammarState(compiled, self.stop_token_ids, max_rollback_tokens=max_rollback_tokens)
 
-    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = ()) -> GrammarState:
-        """compile + new_state + replay of the tokens already generated (a resumed request)."""
-        state = self.new_state(self.compile(params))
+    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = (),
+                  stop_token_ids: Sequence[int] | None = None) -> GrammarState:
+        """compile + new_state + replay of the tokens already generated (a resumed request);
+        `stop_token_ids` (None: the compiler's) are what the completed grammar allows."""
+        compiled = self.compile(params)
+        state = GrammarState(compiled, stop_token_ids) if stop_token_ids else self.new_state(compiled)
         if output_token_ids:
             state.rebuild(output_token_ids)
         return state

@@ -70,9 +70,12 @@ class GuidanceCompiler:
         """A fresh matcher at the start of `compiled`."""
         return GuidanceState(self.ll_tokenizer, compiled, self.stop_token_ids)
 
-    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = ()) -> GuidanceState:
-        """compile + new_state + replay of the tokens already generated (a resumed request)."""
-        state = self.new_state(self.compile(params))
+    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = (),
+                  stop_token_ids: Sequence[int] | None = None) -> GuidanceState:
+        """compile + new_state + replay of the tokens already generated (a resumed request);
+        `stop_token_ids` (None: the compiler's) are what the completed grammar allows."""
+        compiled = self.compile(params)
+        state = GuidanceState(self.ll_tokenizer, compiled, stop_token_ids or self.stop_token_ids)
         if output_token_ids:
             state.rebuild(output_token_ids)
         return state

@@ -96,7 +96,9 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     `disable_additional_properties` (accepted for vLLM compatibility: xgrammar always compiles
     JSON schemas strictly, i.e. properties not in the schema are never generated unless the
     schema allows them explicitly, which satisfies OpenAI's `strict: true`; the guidance backend
-    follows the schema as written), `disable_fallback` (accepted; backends do not fall back).
+    follows the schema as written), `disable_fallback` (accepted; backends do not fall back),
+    `reasoning_end_token_ids` (the grammar starts after the output holds these ids: the server
+    sets it to `</think>`'s ids under `--reasoning-parser`).
 
     The constructor normalises (pydantic class -> dict, structural_tag dict -> str) but does not
     validate: call `validate()` (SamplingParams does, at intake).
@@ -113,6 +115,9 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     disable_fallback: bool = False
+    # Set by the server when a reasoning parser is on: the grammar applies only once the output
+    # holds these token ids (the end-of-reasoning marker, `</think>`); None = from the first token.
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         schema_of = getattr(self.json, "model_json_schema", None)
@@ -178,6 +183,11 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise _error(field_name("whitespace_pattern"), "only applies to guided_json / json_object")
             if not isinstance(self.whitespace_pattern, str):
                 raise _error(field_name("whitespace_pattern"), "must be a string")
+        if self.reasoning_end_token_ids is not None:
+            ids = self.reasoning_end_token_ids
+            if not (isinstance(ids, list) and ids and all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63 for t in ids)):
+                raise _error("reasoning_end_token_ids", "must be a non-empty list of token ids")
         if self.backend is not None:
             try:
                 check_backend_name(self.backend)

@@ -12,6 +12,7 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
+from aserve.structured_outputs.cache import SpecCache
 from aserve.structured_outputs.params import (
     GrammarCompileError,
     GuidedDecodingParams,
@@ -51,12 +52,40 @@ def check_spec(params: GuidedDecodingParams, default_backend: str = "auto") -> N
         check_compiles(params)
 
 
+class SpecChecker:
+    """`check_spec` with its verdicts cached by (backend, spec): request intake's compile check.
+
+    Thread-safe; call it from a worker thread (the first call imports the grammar backend, and
+    with it torch). Failures are cached too, so a client repeating a bad spec costs nothing.
+    """
+
+    def __init__(self, default_backend: str = "auto", max_entries: int = 1024):
+        self.default_backend = default_backend
+        self._verdicts = SpecCache(max_entries)
+
+    def check(self, params: GuidedDecodingParams) -> None:
+        """Raises GrammarCompileError(field, message) if the validated spec does not compile."""
+        backend = params.backend or self.default_backend
+
+        def verdict() -> GrammarCompileError | None:
+            try:
+                check_spec(params, self.default_backend)
+            except GrammarCompileError as e:
+                return e
+            return None
+
+        error = self._verdicts.get_or_compile((backend, params.spec_key()), verdict)
+        if error is not None:
+            raise GrammarCompileError(error.field, error.message)
+
+
 class StructuredOutputCompilers:
     """Compilers for one tokenizer and model vocabulary, one per backend, built on first use.
 
     `compile(params)` returns the backend's cached grammar; `state_for(params, output_token_ids)`
     returns a fresh per-request state (xgrammar `GrammarState` or guidance `GuidanceState`, same
-    contract) advanced past `output_token_ids`. Both raise GrammarCompileError naming the field.
+    contract) advanced past `output_token_ids`. Both raise GrammarCompileError naming the field;
+    `state_for` raises GrammarStateError when the outputs do not fit the grammar.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, stop_token_ids: Sequence[int] | None = None,
@@ -92,5 +121,7 @@ class StructuredOutputCompilers:
     def compile(self, params: GuidedDecodingParams) -> Any:
         return self._compiler_for(params).compile(params)
 
-    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = ()) -> Any:
-        return self._compiler_for(params).state_for(params, output_token_ids)
+    def state_for(self, params: GuidedDecodingParams, output_token_ids: Sequence[int] = (),
+                  stop_token_ids: Sequence[int] | None = None) -> Any:
+        """`stop_token_ids`: what this request's completed grammar allows (None: the compilers')."""
+        return self._compiler_for(params).state_for(params, output_token_ids, stop_token_ids)

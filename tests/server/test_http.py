@@ -74,8 +74,11 @@ def test_completion_sse_framing_with_echo(http):
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages[0].content[0].type",
         ),
-        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice
+        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+        (CHAT, {"messages": USER, "tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]"),
+        (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
+        (CHAT, {"messages": USER, "guided_json": "{not json"}, "guided_json"),
         (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias"),
         (CHAT, {"messages": USER, "logit_bias": {"99999": 1}}, "logit_bias"),
         (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),

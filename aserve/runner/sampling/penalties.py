@@ -14,7 +14,8 @@ _NEG_INF = float("-inf")
 
 def apply_bias_and_masks(work: torch.Tensor, rows: list[RequestSampling]) -> None:
     """Adds logit_bias, keeps only allowed_token_ids, and masks the stop tokens of rows that have not
-    reached min_tokens."""
+    reached min_tokens (unless the row's grammar is complete: then only stop tokens remain, and the
+    grammar wins over min_tokens)."""
     device, vocab = work.device, work.shape[1]
     flat = work.view(-1)
     biased = [i for i, r in enumerate(rows) if r.bias_ids is not None]
@@ -29,6 +30,7 @@ def apply_bias_and_masks(work: torch.Tensor, rows: list[RequestSampling]) -> Non
         flat[keys] = kept
     stop_keys = [i * vocab + t for i, r in enumerate(rows)
                  if r.min_tokens and r.num_output_tokens < r.min_tokens
+                 and not (r.grammar is not None and r.grammar.is_completed())
                  for t in r.stop_token_ids_for_min_tokens]
     if stop_keys:
         flat[index_tensor(stop_keys, device)] = _NEG_INF

@@ -2,7 +2,8 @@
 
 Per row, in order (each step touches only the rows that need it): logit_bias -> allowed_token_ids ->
 min_tokens stop masking -> logits processors -> repetition penalty -> presence / frequency penalties
--> temperature (0 = greedy argmax) -> top_k -> top_p -> min_p -> draw (`draw.py`).
+-> the grammar's token bitmask (guided rows) -> temperature (0 = greedy argmax) -> top_k -> top_p ->
+min_p -> draw (`draw.py`).
 
 Rows filtered by top-k / top-p draw among a candidate set sorted by logit (a partial selection, not a
 sort, whenever it provably holds the nucleus: `topk_topp.py`); the others draw over the whole
@@ -56,12 +57,14 @@ class Sampler:
         # The noise draw needs no sort and no sync (accelerators); on CPU one uniform per row is far cheaper.
         self.use_exponential_noise = self.device.type != "cpu"
 
-    def sample(self, logits: torch.Tensor, rows: list[RequestSampling]) -> SamplerResult:
-        """One token per row. `logits` is `[len(rows), vocab_size]`, any float dtype; it is not modified."""
+    def sample(self, logits: torch.Tensor, rows: list[RequestSampling],
+               grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerResult:
+        """One token per row. `logits` is `[len(rows), vocab_size]`, any float dtype; it is not modified.
+        `grammar_mask` = (bitmask, row positions): the guided rows' allowed tokens (runner/structured.py)."""
         if not rows:
             return SamplerResult([], [])
         work, failed = None, {}
-        if any(r.modifies_logits for r in rows):
+        if grammar_mask is not None or any(r.modifies_logits for r in rows):
             work = logits.to(torch.float32, copy=True)
             apply_bias_and_masks(work, rows)
             if any(r.processors for r in rows):
@@ -72,6 +75,8 @@ class Sampler:
                     return SamplerResult([], [], failed)
                 sel = index_tensor(keep, logits.device)
                 logits, work, rows = logits[sel], work[sel], [rows[i] for i in keep]
+                if grammar_mask is not None:
+                    grammar_mask = _remap_mask(grammar_mask, keep)
         num_rows = len(rows)
         lp_rows = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
         raw_logprobs = None
@@ -84,7 +89,7 @@ class Sampler:
         else:
             if work is None:
                 work = logits.to(torch.float32, copy=True)
-            sampled = self._sample_general(work, rows)
+            sampled = self._sample_general(work, rows, grammar_mask)
 
         if raw_logprobs is None:
             return SamplerResult(sampled.tolist(), [None] * num_rows, failed)
@@ -93,14 +98,20 @@ class Sampler:
         return SamplerResult(ids, logprobs, failed)
 
     # -- the general path ------------------------------------------------------------------------
-    def _sample_general(self, work: torch.Tensor, rows: list[RequestSampling]) -> torch.Tensor:
-        """Penalties, then greedy rows take the argmax and the others go to `_sample_random`."""
+    def _sample_general(self, work: torch.Tensor, rows: list[RequestSampling],
+                        grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Penalties, the grammar mask, then greedy rows take the argmax and the others go to
+        `_sample_random`."""
         device = work.device
         random_rows = [i for i, r in enumerate(rows) if not r.greedy]
-        if not random_rows and not any(r.repetition or r.presence_or_frequency for r in rows):
-            return argmax(work)
-        params = self.states.gather(rows)
-        apply_penalties(work, rows, params)
+        params = None
+        if random_rows or any(r.repetition or r.presence_or_frequency for r in rows):
+            params = self.states.gather(rows)
+            apply_penalties(work, rows, params)
+        if grammar_mask is not None and grammar_mask[1]:
+            from aserve.structured_outputs.bitmask import apply_bitmask  # imports xgrammar: only when guided
+
+            apply_bitmask(work, *grammar_mask)
         if not random_rows:
             return argmax(work)
         sel = _positions(random_rows, len(rows), device)
@@ -207,6 +218,17 @@ class Sampler:
         min_p = params.column(MIN_P) if any(r.min_p > 0.0 for r in rows) else None
         generators = [r.generator for r in rows]
         return draw(logits, generators, self.generator, min_p, self.use_exponential_noise, widths)
+
+
+def _remap_mask(grammar_mask: tuple[torch.Tensor, list[int]], keep: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """The mask for the kept rows: bitmask rows moved to the kept rows' new positions."""
+    bitmask, rows = grammar_mask
+    new_pos = {old: new for new, old in enumerate(keep)}
+    kept = [r for r in rows if r in new_pos]
+    moved = bitmask.clone()
+    for r in kept:
+        moved[new_pos[r]] = bitmask[r]
+    return moved, [new_pos[r] for r in kept]
 
 
 def _positions(values: list[int], total: int, device: torch.device) -> torch.Tensor | None:

@@ -66,6 +66,8 @@ class RequestSampling:
     processors: list[tuple[Callable[..., Any], int]]  # (callable, number of positional args: 2 or 3)
     num_logprobs: int | None
     generator: torch.Generator | None  # set for seeded random rows; None draws from the shared one
+    # The request's grammar (runner/structured.py GuidedRequest), None when unguided: set by the runner.
+    grammar: Any = None
     _prompt_ids: torch.Tensor | None = field(default=None, repr=False)
     _output_buf: torch.Tensor | None = field(default=None, repr=False)
     _num_buffered: int = field(default=0, repr=False)
