@@ -41,6 +41,6 @@ class GGUFInt4Method(LinearMethodBase):
         pack_int4(layer, q, scale, zero, layer.params_dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int4_linear(x, layer.int4_weight, layer.int4_scales_zeros, GGUF_GROUP_SIZE, bias)
+        return int4_linear(layer, x, GGUF_GROUP_SIZE, bias)
 
 

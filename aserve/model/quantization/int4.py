@@ -32,4 +32,4 @@ class Int4WeightOnlyMethod(UnquantizedLinearMethod):
         pack_int4(layer, q, scale, zero, layer.params_dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int4_linear(x, layer.int4_weight, layer.int4_scales_zeros, self.group_size, bias)
+        return int4_linear(layer, x, self.group_size, bias)
