@@ -68,8 +68,7 @@ def gguf_weights(float_weights: Iterable[tuple[str, torch.Tensor]], gguf: GGUFLi
                  native: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """`float_weights` (which must leave out the `native` layers' float weights), then those layers'
     4-bit components (`<prefix>.qweight`, `.scales`, `.zeros`) from the GGUF file."""
-    for name, tensor in float_weights:
-        yield name, tensor
+    yield from float_weights
     for prefix in sorted(native):
         for suffix, part in zip(GGUF_INT4_SUFFIXES, gguf.int4_components(prefix), strict=True):
             yield f"{prefix}.{suffix}", part

@@ -37,7 +37,7 @@ class LinearMethodBase(ABC):
     def create_weights(self, layer: Linear, device: torch.device | str | None = None) -> None:
         """Register on `layer` the parameters the checkpoint loader fills (output dim first)."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:  # noqa: B027 (optional hook)
+    def process_weights_after_loading(self, layer: Linear) -> None:
         """Convert the loaded parameters into the form `apply` uses; default: keep them as loaded."""
 
     @abstractmethod
