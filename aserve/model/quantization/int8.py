@@ -1,14 +1,17 @@
 """`--quantization int8` (an aserve extension; vLLM has no such name): weight-only 8-bit, quantized at
 load time from a float checkpoint, one symmetric scale per output channel, applied with torch's
-`_weight_int8pack_mm` (CPU)."""
+`_weight_int8pack_mm` (CPU). Like the int4 kernel, its fp32 form costs time per row, so fp32 batches of
+more than `FP32_KERNEL_MAX_ROWS` rows (prompts) multiply by the weight dequantized on the fly."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from aserve.model.quantization.base import drop_weights, register_weight
+from aserve.model.quantization.int4_cpu import FP32_KERNEL_MAX_ROWS
 from aserve.model.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
@@ -38,6 +41,9 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype == torch.float32 and x2.shape[0] > FP32_KERNEL_MAX_ROWS:
+            weight = layer.int8_weight.float() * layer.int8_scales.unsqueeze(1)
+            return F.linear(x, weight, bias)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         y = torch._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scales)
