@@ -97,7 +97,7 @@ def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torc
                          "pass a .gguf file (or no --model for the bundled one) or drop --quantization")
     gguf = GGUFLinearWeights(source)
     native = assign.set_gguf_methods(model, gguf)
-    logger.info("--quantization gguf: %d of %d Linear layers served in 4 bits from %s", len(native),
+    logger.info("--quantization gguf: %d of %d GGUF Linear weights served in 4 bits from %s", len(native),
                 len(gguf.names()), source)
     if native:  # one layer checked against the converted copy: catches an unknown layout loudly
         first = min(native)
