@@ -123,6 +123,18 @@ def convert_gguf_cached(gguf_path: str, name: str) -> str:
     return dst
 
 
+def gguf_source_of(folder: str) -> str | None:
+    """The .gguf file that `folder` was converted from, if it still is the file that was converted
+    (same size, mtime and converter version); None for any other folder."""
+    try:
+        with open(os.path.join(folder, _MARKER)) as f:
+            recorded = json.load(f)
+        source = recorded["source"]
+        return source if _source_record(source) == recorded else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _source_record(gguf_path: str) -> dict:
     st = os.stat(gguf_path)
     return {"source": os.path.abspath(gguf_path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,

@@ -36,6 +36,8 @@ _GENERATION_CONFIG = ("auto", "vllm")
 # --guided-decoding-backend: what aserve serves, and vLLM backends it refuses by name.
 GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
 _UNSHIPPED_GUIDED_BACKENDS = ("outlines", "lm-format-enforcer")
+# `gguf` is vLLM's name; `int4` / `int8` (weight-only, quantized at load) are aserve extensions.
+QUANTIZATION_METHODS = ("gguf", "int4", "int8")
 # EngineArgs fields limited to a set of values: (field, allowed, how errors name them; None = the tuple).
 _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("dtype", DTYPE_CHOICES, None),
@@ -187,8 +189,17 @@ class EngineArgs:
         """Accepted-but-unimplemented arguments fail loudly here instead of being ignored."""
         require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is implemented")
         require(self.pipeline_parallel_size == 1, "pipeline_parallel_size", "only 1 is implemented")
-        require(self.quantization is None, "quantization",
-                "quantized weights are not implemented; GGUF files are dequantized at load time")
+        require(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+                f"{self.quantization!r} is not implemented; implemented: {QUANTIZATION_METHODS} (CPU only)")
+        if self.quantization == "gguf":
+            source = os.path.expanduser(self.model)
+            require(self.model == "" or source.endswith(".gguf") or os.path.isdir(source), "quantization",
+                    f"'gguf' needs a .gguf model (a file, a folder holding one, or no --model for the bundled one); "
+                    f"got --model {self.model!r}")
+            require(self.load_format in ("auto", "gguf"), "quantization",
+                    f"'gguf' reads the GGUF file's weights; it cannot be combined with --load-format {self.load_format}")
+        if self.quantization is not None:
+            require(self.device != "cuda", "quantization", f"{self.quantization!r} is implemented for CPU only")
         require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
         require(self.tokenizer_mode != "slow", "tokenizer_mode", "'slow' tokenizers are not implemented; use 'auto'")
 

@@ -60,6 +60,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
+    require(args.quantization is None or device == "cpu", "quantization",
+            f"{args.quantization!r} is implemented for CPU only; pass --device cpu")
 
     max_model_len = _max_model_len(args, hf_cfg, arch)
     chunked = True if args.enable_chunked_prefill is None else args.enable_chunked_prefill
@@ -111,7 +113,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             preemption_mode=args.preemption_mode or "recompute",
             policy=args.scheduling_policy,
         ),
-        load=LoadConfig(load_format=args.load_format),
+        load=LoadConfig(load_format=args.load_format, quantization=args.quantization),
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(distributed_executor_backend=args.distributed_executor_backend or "uni"),
         runner=RunnerConfig(

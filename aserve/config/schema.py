@@ -62,6 +62,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class LoadConfig:
     load_format: str = "auto"
+    quantization: str | None = None  # None | "gguf" | "int4" | "int8" (see aserve/model/quantization)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,18 @@
 """Build a model from an `AserveConfig` and fill its weights (safetensors, PyTorch .bin/.pt, or dummy).
 
 `config.model.model_path` is already a local Hugging Face folder (see `aserve.model_source`).
+The loader also gives the model's Linear layers their quantization methods (`--quantization`):
+`gguf` keeps a GGUF file's Q4_0/Q4_1 weights in 4 bits (read from the file the folder was converted
+from); `int4` / `int8` quantize a float checkpoint after loading it.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -17,6 +21,10 @@ from tqdm.auto import tqdm
 from aserve.config import AserveConfig
 from aserve.model.attention.base import AttentionBackend
 from aserve.model.models.registry import get_model_class
+from aserve.model.quantization import assign, load_time_method
+from aserve.model.quantization.gguf_reader import GGUFLinearWeights
+
+logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -50,18 +58,63 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
     """Construct the architecture's model on `device` in `config.model.dtype` and load its weights.
 
     Raises WeightsNotFoundError when the folder has no weights of the requested load format and
-    ValueError when the checkpoint does not fit the architecture.
+    ValueError when the checkpoint does not fit the architecture or the quantization.
     """
     arch = config.model.arch
     dtype = torch_dtype(config.model.dtype)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, backend, dtype, device)
     load_format = config.load.load_format
-    if load_format == "dummy":
-        init_dummy_weights(model, config.model.seed)
+    quantization = config.load.quantization
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"--quantization {quantization}: implemented for CPU only (use --device cpu)")
+    if quantization == "gguf":
+        model.load_weights(_gguf_weights(model, config.model.model_path))
     else:
-        model.load_weights(iterate_weights(config.model.model_path, load_format))
+        if quantization is not None:
+            num = assign.set_load_time_method(model, load_time_method(quantization))
+            logger.info("--quantization %s: %d of %d Linear layers quantized at load", quantization, num,
+                        len(assign.linear_layers(model)))
+        if load_format == "dummy":
+            init_dummy_weights(model, config.model.seed)
+        else:
+            model.load_weights(iterate_weights(config.model.model_path, load_format))
+    counts = assign.process_weights_after_loading(model)
+    if quantization is not None:
+        logger.info("Linear methods: %s; activations %s (CPU capability %s)",
+                    ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())), config.model.dtype,
+                    torch.backends.cpu.get_cpu_capability())
     return model.eval()
+
+
+def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Set the GGUF int4 method where the file allows it; the checkpoint tensors to load."""
+    from aserve.model_source import gguf_source_of
+
+    source = gguf_source_of(model_path)
+    if source is None:
+        raise ValueError(f"--quantization gguf: {model_path} was not converted from a .gguf file; "
+                         "pass a .gguf file (or no --model for the bundled one) or drop --quantization")
+    gguf = GGUFLinearWeights(source)
+    native = assign.set_gguf_methods(model, gguf)
+    logger.info("--quantization gguf: %d of %d GGUF Linear weights served in 4 bits from %s", len(native),
+                len(gguf.names()), source)
+    if native:  # one layer checked against the converted copy: catches an unknown layout loudly
+        first = min(native)
+        _, files = weight_files(model_path, "safetensors")
+        assign.check_gguf_decoding(gguf, first, _read_tensor(files, f"{first}.weight"))
+    floats = iterate_weights(model_path, "safetensors", skip=lambda name: name.rsplit(".", 1)[0] in native)
+    return assign.gguf_weights(floats, gguf, native)
+
+
+def _read_tensor(files: list[str], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as h:
+            if name in h.keys():  # noqa: SIM118 (not a mapping)
+                return h.get_tensor(name)
+    raise WeightsNotFoundError(f"no tensor {name!r} in {files}")
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -109,14 +162,17 @@ def _select_files(folder: str, patterns: list[str], index_name: str) -> list[str
     return files
 
 
-def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files."""
+def iterate_weights(model_path: str, load_format: str,
+                    skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files, except
+    those `skip(name)` is true for (safetensors files do not even read those)."""
     kind, files = weight_files(model_path, load_format)
     if kind == "safetensors":
         from safetensors import safe_open
 
         handles = [safe_open(path, framework="pt", device="cpu") for path in files]
-        names = [(h, name) for h in handles for name in h.keys()]  # noqa: SIM118 (not a mapping)
+        names = [(h, name) for h in handles for name in h.keys()  # noqa: SIM118 (not a mapping)
+                 if skip is None or not skip(name)]
         for h, name in tqdm(names, desc="Loading weights", unit="tensor", mininterval=0.5):
             yield name, h.get_tensor(name)
         return
@@ -127,5 +183,5 @@ def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, to
             state = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(state, dict):
             raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-        yield from state.items()
+        yield from ((k, v) for k, v in state.items() if skip is None or not skip(k))
         del state

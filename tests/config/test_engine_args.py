@@ -39,6 +39,9 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
     (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
     (dict(quantization="awq"), "--quantization"),
+    (dict(quantization="gguf"), "--quantization"),  # a hub id / missing path is not a .gguf source
+    (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
+    (dict(quantization="gguf", load_format="dummy"), "--quantization"),
     (dict(distributed_executor_backend="ray"), "--distributed-executor-backend"),
     (dict(tokenizer_mode="slow"), "--tokenizer-mode"),
 ])
@@ -76,3 +79,13 @@ def test_unknown_argument():
     with pytest.raises(ConfigError, match="no_such_flag"):
         EngineArgs.from_kwargs(no_such_flag=1)
     assert EngineArgs.from_kwargs(block_size=32).block_size == 32
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(model="", quantization="gguf"),  # the bundled GGUF
+    dict(model="/somewhere/model.Q4_1.gguf", quantization="gguf", load_format="gguf"),
+    dict(model=NO_SUCH_MODEL, quantization="int4"),
+    dict(model=NO_SUCH_MODEL, quantization="int8", device="cpu"),
+])
+def test_implemented_quantizations_pass_validation(kwargs):
+    EngineArgs(**kwargs).validate()

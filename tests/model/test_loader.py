@@ -157,3 +157,39 @@ def test_the_torch_dtype_tables_cover_every_name_config_resolves_to(tiny):
     for name in KV_CACHE_DTYPE_CHOICES:
         cfg = dataclasses.replace(config, cache=dataclasses.replace(config.cache, kv_cache_dtype=name))
         assert kv_cache_dtype_for(cfg).is_floating_point
+
+
+@pytest.mark.parametrize(("quantization", "rel_tol"), [("int4", 0.25), ("int8", 0.03)])
+def test_load_time_quantization_serves_every_linear_quantized(tiny, quantization, rel_tol):
+    from aserve.model.quantization.assign import linear_layers
+    from tests.model._tiny_models import run_schedule
+
+    path, _ = tiny
+    ref = load_ours(path, "float32")
+    model = load_ours(path, "float32", quantization=quantization)
+    assert {layer.quant_method.name for _, layer in linear_layers(model)} == {quantization}
+    assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
+    tokens = [[3, 17, 99, 5, 42, 7, 8, 250]]
+    want = run_schedule(ref, tokens, [[(0, 8)]], block_size=16, num_blocks=8)[0]
+    got = run_schedule(model, tokens, [[(0, 8)]], block_size=16, num_blocks=8)[0]
+    assert float((got - want).norm() / want.norm()) < rel_tol
+
+
+def test_dummy_weights_with_int4(tiny):
+    from aserve.model.quantization.assign import linear_layers
+
+    path, _ = tiny
+    model = load_ours(path, "float32", load_format="dummy", quantization="int4")
+    assert all(layer.quant_method.name == "int4" for _, layer in linear_layers(model))
+
+
+def test_gguf_quantization_needs_a_converted_gguf_folder(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="--quantization gguf: .* not converted from a .gguf file"):
+        load_ours(path, "float32", quantization="gguf")
+
+
+def test_quantization_on_a_non_cpu_device_is_refused(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model(engine_config(path, "float32", quantization="int8"), TorchAttentionBackend(), "meta")

@@ -1,25 +1,49 @@
 """Dense linear layers. Fused projections (qkv, gate/up) are one `MergedLinear` whose shards are
-filled by the weight loader, so model code only composes layers."""
+filled by the weight loader, so model code only composes layers.
+
+How a layer stores and applies its weight is its quantization method (`quant_method`, a
+`LinearMethodBase` from `aserve.model.quantization`): the float `UnquantizedLinearMethod` unless the
+loader sets another with `set_quant_method` before loading weights.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from aserve.model.quantization.base import LinearMethodBase, drop_weights
+from aserve.model.quantization.unquantized import UnquantizedLinearMethod
+
+_UNQUANTIZED = UnquantizedLinearMethod()  # stateless: shared by every layer
 
 
 class Linear(nn.Module):
-    """`y = x @ weight.T (+ bias)`; weight `[output_size, input_size]` as in Hugging Face checkpoints."""
+    """`y = x @ W.T (+ bias)` for `W [output_size, input_size]` (Hugging Face layout), held and applied
+    by `quant_method`. `params_dtype` is the model's dtype (activations, bias, float weights)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.params_dtype = dtype or torch.get_default_dtype()
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
+        self.quant_method: LinearMethodBase = _UNQUANTIZED
+        self.quant_method.create_weights(self)
+
+    def set_quant_method(self, method: LinearMethodBase) -> None:
+        """Replace the quantization method before weights are loaded: the current method's (unloaded)
+        weights are dropped and `method.create_weights` registers its own, on the bias' device."""
+        device = self.bias.device if self.bias is not None else next(self.parameters()).device
+        drop_weights(self)
+        self.quant_method = method
+        method.create_weights(self, device)
+
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader after every weight is loaded (see LinearMethodBase)."""
+        self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         """Copy a whole checkpoint tensor into `param` (`shard_id` must be None for an unfused layer)."""
@@ -28,7 +52,8 @@ class Linear(nn.Module):
         _copy_checked(param.data, loaded)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+                f"method={self.quant_method.name}")
 
 
 class MergedLinear(Linear):
@@ -44,6 +69,8 @@ class MergedLinear(Linear):
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy shard `shard_id` into its rows of `param` (dim 0; every method keeps the output dim
+        first), or a whole already-fused tensor when `shard_id` is None."""
         if shard_id is None:  # an already-fused checkpoint tensor
             _copy_checked(param.data, loaded)
             return

@@ -1,0 +1,92 @@
+"""Giving a model's `Linear` layers their quantization methods, from outside the model (the loader
+calls these; model files only compose layers).
+
+A fused layer (`qkv_proj`) is fed by several checkpoint tensors (`q_proj`, `k_proj`, `v_proj`),
+named by the model's `packed_modules_mapping`; it can be served natively from a GGUF file only when
+every one of them is a 4-bit GGUF type.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from aserve.model.layers.linear import Linear
+from aserve.model.quantization.base import LinearMethodBase
+from aserve.model.quantization.gguf import GGUF_INT4_SUFFIXES, GGUFInt4Method
+from aserve.model.quantization.gguf_reader import GGUF_GROUP_SIZE, NATIVE_INT4_TYPES, GGUFLinearWeights
+from aserve.model.quantization.int4 import Int4WeightOnlyMethod
+from aserve.model.quantization.int4_cpu import dequantize_int4, int4_packable
+
+logger = logging.getLogger(__name__)
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, Linear]]:
+    """Every `Linear` (fused ones included) of `model`, with its module name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def checkpoint_prefixes(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint module names that feed layer `name`, in shard order (just `name` if unfused)."""
+    parent, _, short = name.rpartition(".")
+    mapping: dict[str, tuple[str, int]] = getattr(model, "packed_modules_mapping", {})
+    shards = sorted((shard, ckpt) for ckpt, (fused, shard) in mapping.items() if fused == short)
+    return [f"{parent}.{ckpt}" for _, ckpt in shards] or [name]
+
+
+def set_load_time_method(model: nn.Module, method: LinearMethodBase) -> int:
+    """Give `method` (int4 / int8, quantizing at load) to every layer whose shape it takes; returns
+    how many layers took it (the others keep their float weight)."""
+    count = 0
+    for _, layer in linear_layers(model):
+        if isinstance(method, Int4WeightOnlyMethod) and not int4_packable(layer.output_size, layer.input_size,
+                                                                           method.group_size):
+            continue
+        layer.set_quant_method(method)
+        count += 1
+    return count
+
+
+def set_gguf_methods(model: nn.Module, gguf: GGUFLinearWeights) -> set[str]:
+    """Give the GGUF int4 method to every layer whose checkpoint tensors are all Q4_0/Q4_1 in `gguf`
+    (and whose shape the kernel takes); returns their checkpoint prefixes. The rest stay float."""
+    method = GGUFInt4Method()
+    native: set[str] = set()
+    for name, layer in linear_layers(model):
+        prefixes = checkpoint_prefixes(model, name)
+        if all(gguf.quant_type(p) in NATIVE_INT4_TYPES for p in prefixes) and int4_packable(
+                layer.output_size, layer.input_size, GGUF_GROUP_SIZE):
+            layer.set_quant_method(method)
+            native.update(prefixes)
+    return native
+
+
+def gguf_weights(float_weights: Iterable[tuple[str, torch.Tensor]], gguf: GGUFLinearWeights,
+                 native: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`float_weights` (which must leave out the `native` layers' float weights), then those layers'
+    4-bit components (`<prefix>.qweight`, `.scales`, `.zeros`) from the GGUF file."""
+    yield from float_weights
+    for prefix in sorted(native):
+        for suffix, part in zip(GGUF_INT4_SUFFIXES, gguf.int4_components(prefix), strict=True):
+            yield f"{prefix}.{suffix}", part
+
+
+def check_gguf_decoding(gguf: GGUFLinearWeights, prefix: str, reference: torch.Tensor) -> None:
+    """Raise ValueError unless `prefix`'s 4-bit components dequantize to `reference` (the float
+    checkpoint converted from the same file), which catches a wrong row order or block layout."""
+    got = dequantize_int4(*gguf.int4_components(prefix), GGUF_GROUP_SIZE)
+    if got.shape != reference.shape or not torch.allclose(got, reference.float(), rtol=1e-5, atol=1e-6):
+        raise ValueError(f"--quantization gguf: {prefix} decoded from {gguf.path} does not match its dequantized "
+                         "copy (unsupported layout); drop --quantization to serve it dequantized")
+
+
+def process_weights_after_loading(model: nn.Module) -> dict[str, int]:
+    """Run every Linear's `process_weights_after_loading`; returns the number of layers per method."""
+    counts: dict[str, int] = {}
+    for _, layer in linear_layers(model):
+        layer.process_weights_after_loading()
+        counts[layer.quant_method.name] = counts.get(layer.quant_method.name, 0) + 1
+    return counts
