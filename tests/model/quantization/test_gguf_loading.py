@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from aserve import model_source
 from aserve.model.quantization.assign import linear_layers
-from tests.model._tiny_models import load_ours, run_schedule, save_tiny_hf
+from tests.model._tiny_models import load_ours, run_schedule
+from tests.support.tiny_models import save_tiny_hf
 from tests.model.quantization._gguf_files import write_gguf
 
 _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",

@@ -6,7 +6,6 @@ import json
 
 import jsonschema
 import pytest
-from tool_replay import assert_split_invariant, replay
 
 from aserve.server.tool_parsers import (
     NamedToolChoiceParser,
@@ -16,6 +15,7 @@ from aserve.server.tool_parsers import (
     tool_call_json_schema,
     tool_calls_from_constrained_output,
 )
+from tests.server.tool_parsers.tool_replay import assert_split_invariant, replay
 
 WEATHER = {
     "type": "function",

@@ -6,9 +6,9 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tool_replay import extracted, replay
 
 from aserve.server.tool_parsers import HermesToolParser, Llama3JsonToolParser, MistralToolParser
+from tests.server.tool_parsers.tool_replay import extracted, replay
 
 names = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,12}", fullmatch=True)
 scalars = (

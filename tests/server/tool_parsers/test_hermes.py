@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_replay import assert_split_invariant, check_shape, replay
 
 from aserve.server.tool_parsers import HermesToolParser
+from tests.server.tool_parsers.tool_replay import assert_split_invariant, check_shape, replay
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 NESTED_ARGS = (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_replay import assert_split_invariant
 
 from aserve.server.tool_parsers import Llama3JsonToolParser
+from tests.server.tool_parsers.tool_replay import assert_split_invariant
 
 ARGS = '{"query": "naïve \\"quotes\\" ☃", "filters": {"year": [2023, 2024], "deep": {"x": null}}}'
 

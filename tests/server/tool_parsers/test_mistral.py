@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_replay import assert_split_invariant, replay
 
 from aserve.server.tool_parsers import MistralToolParser
+from tests.server.tool_parsers.tool_replay import assert_split_invariant, replay
 
 ARGS = '{"text": "line1\\nline2 \\u00e9 日本", "opts": {"deep": [{"k": false}]}}'
 
