@@ -67,6 +67,20 @@ def test_serving_benchmark_dataset_is_seeded():
     assert all(150 < len(p.split()) < 260 for p in a)
 
 
+def test_serving_benchmark_guided_json_constrains_both_endpoints():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serving
+    finally:
+        sys.path.pop(0)
+    chat = serving._body(serving.parse_args(["--endpoint", "chat", "--guided-json"]), "m", "p")
+    assert chat["response_format"]["json_schema"]["schema"] == serving.GUIDED_SCHEMA
+    completions = serving._body(serving.parse_args(["--guided-json"]), "m", "p")
+    assert completions["guided_json"] == serving.GUIDED_SCHEMA
+    plain = serving._body(serving.parse_args([]), "m", "p")
+    assert "guided_json" not in plain and "response_format" not in plain
+
+
 def test_locustfile_headless_reports_ttft_and_token_latency(server, tmp_path):
     # Never import locust here: it monkey-patches the process with gevent.
     locust = shutil.which("locust")

@@ -7,9 +7,10 @@ scheduler, the output processor, the server) is the production code; only the fo
 * `FakeModel` is the "weights" and the test's remote control, shared by every runner made from it:
   it decides the tokens (greedy: a function of the sequence so far; seeded: of the seed and the
   position; otherwise random), always whole-word tokens (never EOS or a special token), so text is
-  predictable; `expected_token_ids` gives tests the reference. It also holds the knobs: a per-step
-  delay, pause / resume, failing chosen requests alone (`RunnerOutput.failed_requests`) and a fatal
-  error raised from `execute`.
+  predictable; `expected_token_ids` gives tests the reference. `script` (token ids, EOS allowed) makes
+  every request emit that text first, as a model that says "<think>a</think>b" would. It also holds
+  the knobs: a per-step delay, pause / resume, failing chosen requests alone
+  (`RunnerOutput.failed_requests`) and a fatal error raised from `execute`.
 * `FakeRunner` follows the SchedulerOutput protocol of `aserve/core/batch.py`, as `ModelRunner` does.
 * `fake_executor_factory(model)` plugs it in through the public factory:
   `AsyncEngine.from_engine_args(engine_args(folder), executor_factory=fake_executor_factory(model))`.
@@ -110,6 +111,7 @@ class FakeModel:
         # req_id, prompt token ids -> a message to fail that request alone (None: it runs)
         self.fail_if: Callable[[str, list[int]], str | None] | None = None
         self.fatal: BaseException | None = None  # raised by `execute` while set
+        self.script: list[int] | None = None  # while set, every request's outputs start with these ids
         self._running = threading.Event()
         self._running.set()
         self.num_steps = 0
@@ -133,6 +135,9 @@ class FakeModel:
 
     # -- the "weights" ----------------------------------------------------------------------------
     def next_token(self, tokens: list[int], num_prompt: int, params: SamplingParams) -> int:
+        script, position = self.script, len(tokens) - num_prompt
+        if script is not None and position < len(script):
+            return script[position]
         if params.seed is not None:
             key = f"seed:{params.seed}:{len(tokens) - num_prompt}"
         elif params.sampling_type_greedy:
