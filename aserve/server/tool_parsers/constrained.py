@@ -14,6 +14,7 @@ Malformed `tools` or an unknown named function raise `ToolSpecError` naming the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +110,38 @@ class RequiredToolChoiceParser(JsonArrayToolParser):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(marker=None, args_keys=("parameters",), **kwargs)
+        self._kwargs = kwargs
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """As the base class; but an output cut short (max_tokens) inside a later call keeps the calls
+        that completed before the cut, since the grammar guarantees each of them is well formed."""
+        complete = _complete_calls_prefix(text)
+        if complete is not None and complete != text.strip():
+            return type(self)(**self._kwargs).extract(complete)
+        return super().extract(text)
+
+
+def _complete_calls_prefix(text: str) -> str | None:
+    """`[call, call, <cut>` -> `[call, call]`: the JSON array of the calls that completed, or None."""
+    s = text.lstrip()
+    if not s.startswith("["):
+        return None
+    decoder = json.JSONDecoder()
+    pos, last_end = 1, None
+    while True:
+        while pos < len(s) and s[pos].isspace():
+            pos += 1
+        try:
+            _, end = decoder.raw_decode(s, pos)
+        except ValueError:
+            break
+        last_end = end
+        while end < len(s) and s[end].isspace():
+            end += 1
+        if end >= len(s) or s[end] != ",":
+            break
+        pos = end + 1
+    return None if last_end is None else s[:last_end] + "]"
 
 
 class NamedToolChoiceParser(ToolParser):

@@ -116,6 +116,18 @@ def test_required_output_reads_back_streamed_or_not():
     ]
 
 
+@pytest.mark.parametrize("cut", [
+    '[{"name": "get_weather", "parameters": {"city": "Zürich"}}, {"name": "no',
+    '[{"name": "get_weather", "parameters": {"city": "Zürich"}}, {"name": "now", "parameters": {',
+    '[{"name": "get_weather", "parameters": {"city": "Zürich"}} ,',
+])
+def test_required_output_cut_by_max_tokens_keeps_the_calls_that_completed(cut):
+    content, calls = RequiredToolChoiceParser().extract(cut)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Zürich"})]
+    assert content is None
+    assert RequiredToolChoiceParser().extract('[{"name": "get_wea') == ('[{"name": "get_wea', [])
+
+
 def test_named_output_is_one_call_whatever_the_split():
     choice = {"type": "function", "function": {"name": "get_weather"}}
     text = ' {"city": "Paris", "unit": "c"}'
