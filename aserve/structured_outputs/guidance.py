@@ -22,7 +22,7 @@ import llguidance.torch
 
 from aserve.structured_outputs.cache import SpecCache
 from aserve.structured_outputs.params import GrammarCompileError, GuidedDecodingParams, field_name
-from aserve.structured_outputs.state import GrammarStateError, fill_stop_only
+from aserve.structured_outputs.state import ReplayableState, fill_stop_only
 
 
 class GuidanceGrammar:
@@ -111,7 +111,7 @@ def _json_defaults(params: GuidedDecodingParams) -> dict[str, Any]:
     return defaults
 
 
-class GuidanceState:
+class GuidanceState(ReplayableState):
     """A per-request llguidance matcher with GrammarState's contract; not thread-safe.
 
     llguidance stops a matcher by itself when nothing can follow; here, as with xgrammar, a state
@@ -142,13 +142,6 @@ class GuidanceState:
         self._terminated = token_id in self.stop_token_ids
         return True
 
-    def accept_tokens(self, token_ids: Sequence[int]) -> int:
-        """Advances token by token; returns how many were accepted before the first rejection."""
-        for i, token_id in enumerate(token_ids):
-            if not self.accept_token(token_id):
-                return i
-        return len(token_ids)
-
     def is_terminated(self) -> bool:
         """True once a stop token was accepted."""
         return self._terminated
@@ -171,15 +164,6 @@ class GuidanceState:
         self.matcher.reset()
         self.num_accepted = 0
         self._terminated = False
-
-    def rebuild(self, token_ids: Sequence[int]) -> None:
-        """Resets, then replays `token_ids`; GrammarStateError (state left reset) on a rejection."""
-        self.reset()
-        accepted = self.accept_tokens(token_ids)
-        if accepted != len(token_ids):
-            self.reset()
-            raise GrammarStateError(
-                f"output token {accepted} (id {int(token_ids[accepted])}) is not allowed by the grammar")
 
     def fill_bitmask(self, bitmask, row: int = 0) -> None:
         """Writes the allowed next tokens into `bitmask[row]`; a terminated state allows only stops."""

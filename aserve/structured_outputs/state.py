@@ -18,7 +18,32 @@ class GrammarStateError(ValueError):
     """A token sequence the grammar rejects (e.g. replaying outputs into a different grammar)."""
 
 
-class GrammarState:
+class ReplayableState:
+    """What every backend's state shares, built on its `accept_token` and `reset`."""
+
+    __slots__ = ()
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> int:
+        """Advances token by token; returns how many were accepted before the first rejection."""
+        for i, token_id in enumerate(token_ids):
+            if not self.accept_token(token_id):
+                return i
+        return len(token_ids)
+
+    def rebuild(self, token_ids: Sequence[int]) -> None:
+        """Resets, then replays `token_ids` (a resumed request's outputs so far).
+
+        Raises GrammarStateError (and leaves the state reset) if the grammar rejects one of them.
+        """
+        self.reset()
+        accepted = self.accept_tokens(token_ids)
+        if accepted != len(token_ids):
+            self.reset()
+            raise GrammarStateError(
+                f"output token {accepted} (id {int(token_ids[accepted])}) is not allowed by the grammar")
+
+
+class GrammarState(ReplayableState):
     """A per-request matcher over a compiled grammar; cheap to create, not thread-safe."""
 
     __slots__ = ("matcher", "num_accepted", "stop_token_ids")
@@ -38,13 +63,6 @@ class GrammarState:
         if ok:
             self.num_accepted += 1
         return ok
-
-    def accept_tokens(self, token_ids: Sequence[int]) -> int:
-        """Advances token by token; returns how many were accepted before the first rejection."""
-        for i, token_id in enumerate(token_ids):
-            if not self.accept_token(token_id):
-                return i
-        return len(token_ids)
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted (the request is over as far as the grammar goes)."""
@@ -67,18 +85,6 @@ class GrammarState:
         """Back to the start of the grammar."""
         self.matcher.reset()
         self.num_accepted = 0
-
-    def rebuild(self, token_ids: Sequence[int]) -> None:
-        """Resets, then replays `token_ids` (a resumed request's outputs so far).
-
-        Raises GrammarStateError (and leaves the state reset) if the grammar rejects one of them.
-        """
-        self.reset()
-        accepted = self.accept_tokens(token_ids)
-        if accepted != len(token_ids):
-            self.reset()
-            raise GrammarStateError(
-                f"output token {accepted} (id {int(token_ids[accepted])}) is not allowed by the grammar")
 
     def fill_bitmask(self, bitmask, row: int = 0) -> None:
         """Writes the allowed next tokens into `bitmask[row]` (int32 CPU tensor, 1 bit per token).
