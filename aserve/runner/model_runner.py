@@ -191,6 +191,13 @@ class ModelRunner:
         if state is not None:
             self.sampler.states.remove(state.sampling)
 
+    def _fail(self, messages: dict[str, str], failed: dict[str, str], prompt_logprobs: dict) -> None:
+        """Fails these requests alone: reported in `failed`, nothing else of theirs in the output."""
+        for req_id, message in messages.items():
+            failed[req_id] = message
+            prompt_logprobs.pop(req_id, None)
+            self._remove_request(req_id)
+
     def _update_request(self, cached: CachedRequestData) -> None:
         state = self.states[cached.req_id]
         state.block_ids.extend(cached.new_block_ids)
@@ -262,19 +269,12 @@ class ModelRunner:
                                          self.structured.finish_fill(fill))
             result_ids, result_logprobs = result.sampled_token_ids, result.logprobs
             if result.failed:
-                for i, message in result.failed.items():
-                    req_id = sample_req_ids[i]
-                    failed[req_id] = message
-                    prompt_logprobs.pop(req_id, None)
-                    self._remove_request(req_id)
+                self._fail({sample_req_ids[i]: m for i, m in result.failed.items()}, failed, prompt_logprobs)
                 sample_req_ids = [r for i, r in enumerate(sample_req_ids) if i not in result.failed]
             rejected = self.structured.accept(sample_req_ids, result_ids)
             if rejected:
                 keep = [i for i, r in enumerate(sample_req_ids) if r not in rejected]
-                for req_id, message in rejected.items():
-                    failed[req_id] = message
-                    prompt_logprobs.pop(req_id, None)
-                    self._remove_request(req_id)
+                self._fail(rejected, failed, prompt_logprobs)
                 sample_req_ids = [sample_req_ids[i] for i in keep]
                 result_ids = [result_ids[i] for i in keep]
                 result_logprobs = [result_logprobs[i] for i in keep]
