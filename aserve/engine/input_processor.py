@@ -27,7 +27,7 @@ from aserve.config import AserveConfig
 from aserve.core.request import Request
 from aserve.structured_outputs.params import GrammarCompileError
 from aserve.structured_outputs.registry import SpecChecker
-from aserve.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError, check_token_ids, show
+from aserve.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError, show
 
 
 def _derived_seed(seed: int, index: int) -> int:
@@ -79,8 +79,9 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None and params.truncate_prompt_tokens > self.max_model_len:
             _fail("truncate_prompt_tokens", f"must be at most max_model_len ({self.max_model_len}), "
                   f"got {show(params.truncate_prompt_tokens)}")
-        if params.allowed_token_ids is not None:
-            check_token_ids(params.allowed_token_ids, "allowed_token_ids", vocab)
+        if params.allowed_token_ids is not None and len(params.allowed_token_ids) > vocab:
+            _fail("allowed_token_ids", f"must have at most {vocab} entries (the vocabulary size), "
+                  f"got {len(params.allowed_token_ids)}")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", params.logit_bias)):
             bad = [t for t in ids or () if t >= vocab]
