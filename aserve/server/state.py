@@ -66,9 +66,10 @@ class EngineClient(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        client_id: str | None = None,  # a hash of the API key (fair sharing), never the key
     ) -> PromptStream: ...
-    # With several API keys the server also passes `client_id=<hash of the key>` (fair sharing), and
-    # with --max-num-queued-reqs/-tokens it first calls `queued_load(count_tokens) -> (reqs, tokens)`.
+
+    def queued_load(self, count_tokens: bool = True) -> tuple[int, int]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -188,9 +189,8 @@ class ServerState:
             raise APIError(503, "the engine is not running", code="engine_dead")
         self.check_admission(prompt_token_ids, params)
         self.log_request(request_id, prompt, prompt_token_ids, params)
-        extra = {} if client_id is None else {"client_id": client_id}
         try:
-            stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, **extra)
+            stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, client_id)
             return _RaisingOnError(stream)
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
             raise APIError(
@@ -204,7 +204,7 @@ class ServerState:
         max_reqs, max_tokens = self.args.max_num_queued_reqs, self.args.max_num_queued_tokens
         if not (max_reqs or max_tokens):
             return
-        num_reqs, num_tokens = self.engine.queued_load(bool(max_tokens))  # type: ignore[attr-defined]
+        num_reqs, num_tokens = self.engine.queued_load(bool(max_tokens))
         if num_reqs == 0:
             return
         num_samples = params.num_samples

@@ -51,8 +51,8 @@ class RecordingAsyncEngine(AsyncEngine):
         self.aborted: list[str] = []
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, priority: int = 0) -> RequestStream:
-        stream = super().add_request(request_id, prompt, prompt_token_ids, params, priority)
+                    params: SamplingParams, priority: int = 0, client_id: str | None = None) -> RequestStream:
+        stream = super().add_request(request_id, prompt, prompt_token_ids, params, priority, client_id)
         self.added.append(AddedRequest(request_id, list(stream.prompt_token_ids), params, priority))
         return stream
 
