@@ -36,14 +36,36 @@ class EngineParts:
     generation_defaults: dict
 
 
+# tokenizer_config.json classes that are exactly transformers' generic fast tokenizer (tokenizer.json
+# only); loading them directly skips AutoTokenizer's AutoConfig import chain (seconds at start-up).
+_GENERIC_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(config: AserveConfig):
+    """The model's Hugging Face tokenizer (None with --skip-tokenizer-init). A local folder whose
+    tokenizer_config.json names the generic fast class is loaded with that class directly (what
+    AutoTokenizer would pick, seconds sooner); anything else goes through AutoTokenizer."""
     if config.model.skip_tokenizer_init:
         return None
+    kwargs = dict(revision=config.model.tokenizer_revision, trust_remote_code=config.model.trust_remote_code)
+    if _generic_fast_tokenizer(config.model.tokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(config.model.tokenizer, **kwargs)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        config.model.tokenizer, revision=config.model.tokenizer_revision,
-        trust_remote_code=config.model.trust_remote_code)
+    return AutoTokenizer.from_pretrained(config.model.tokenizer, **kwargs)
+
+
+def _generic_fast_tokenizer(folder: str) -> bool:
+    path = Path(folder)
+    if not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
+        return False
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return declared in _GENERIC_FAST_TOKENIZERS
 
 
 def read_generation_config(folder: str | Path) -> dict:

@@ -236,10 +236,11 @@ def rotary_embedding(
     cos_sin = cos_sin_cache.index_select(0, positions.to(torch.int64))
     cos, sin = cos_sin.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rot_dim // 2]
-    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+    return rotate(q, cos, sin, is_neox), rotate(k, cos, sin, is_neox)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """Rotate the first `2 * cos.shape[-1]` dims of x `[T, H, D]` by cos/sin `[T, 1, rot_dim // 2]`."""
     rot_dim = cos.shape[-1] * 2
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]

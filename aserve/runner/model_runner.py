@@ -134,7 +134,7 @@ class ModelRunner:
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
         dtype = self._kv_dtype()
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(a.num_hidden_layers)]
+        self.kv_caches = [zeroed(shape, dtype, self.device) for _ in range(a.num_hidden_layers)]
         if num_cpu_blocks:
             cpu_shape = (2, num_cpu_blocks) + shape[2:]
             pin = self.device.type == "cuda"
@@ -287,6 +287,19 @@ class ModelRunner:
             self.states[req_id].token_ids.append(token)
         return RunnerOutput(req_ids=sample_req_ids, sampled_token_ids=result_ids, logprobs=result_logprobs,
                             prompt_logprobs=prompt_logprobs, failed_requests=failed)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On CPU its memory comes from calloc (through numpy), so the OS maps
+    zero pages on first touch: GiBs of KV cache cost nothing at start-up (torch.zeros writes every
+    page, seconds for the default 4 GiB)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelInputsForProfile:

@@ -3,14 +3,17 @@
 - `--quantization gguf` with fp32 activations is the file's own weights up to float rounding:
   identical greedy tokens.
 - With bf16 activations (the fast path), and for `--quantization int4` / `int8` of the dequantized
-  checkpoint, issue 10's teacher-forced metric over 32 prompts x 64 positions (tests/model/_parity.py)
-  against the fp32 dequantized model: mean KL <= 0.02 and a top-1 floor. Issue 10 asks for top-1 >= 99%
+  checkpoint, issue 10's teacher-forced metric (tests/model/_parity.py) against the fp32 dequantized
+  model, over 12 prompts x 32 positions in CI and issue 10's full 32 prompts x 64 positions with
+  `ASERVE_FULL_PARITY=1` (how the README's numbers are measured): mean KL <= 0.02 and a top-1 floor. Issue 10 asks for top-1 >= 99%
   (gguf) / 97% (int4, int8); measured (README, *Quantized CPU paths*): plain bf16 activations on the
   same float weights reach only 98.5%, gguf+bf16 97.8%, int8+bf16 96.3%, so the floors below are what
   holds today, and the README records the gap.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -36,7 +39,10 @@ QUESTIONS = [
     "Give me a synonym for happy.", "How many continents are there?", "What does a compiler do?",
     "Describe the moon.", "What is democracy?",
 ]
-NUM_POSITIONS = 64
+FULL = os.environ.get("ASERVE_FULL_PARITY") == "1"
+if not FULL:
+    QUESTIONS = QUESTIONS[:12]
+NUM_POSITIONS = 64 if FULL else 32
 
 
 @pytest.fixture(scope="module")

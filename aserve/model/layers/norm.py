@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from aserve.kernels import reference
+from aserve.model.layers.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
-    """`forward(x)` -> normed; `forward(x, residual)` -> `(normed(x + residual), x + residual)`."""
+class RMSNorm(CustomOp):
+    """`forward(x)` -> normed; `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
+
+    Native: Hugging Face's order (normalize in fp32, round to x's dtype, then scale by the weight).
+    CPU: torch's one-kernel `F.rms_norm` (fp32 inside, one rounding at the end): identical in fp32,
+    within one bf16 rounding of the native form in bf16.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return reference.rms_norm(x, self.weight, self.eps, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        summed = x + residual
+        return F.rms_norm(summed, self.weight.shape, self.weight, self.eps), summed
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if tuple(param.shape) != tuple(loaded.shape):
@@ -27,4 +42,4 @@ class RMSNorm(nn.Module):
         param.data.copy_(loaded)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, form={self.form}"

@@ -12,15 +12,20 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
-
 from aserve.kernels import reference
+from aserve.model.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
-class RotaryEmbedding(nn.Module):
-    """`forward(positions [T], q [T, H, D], k [T, KVH, D])` -> rotated `(q, k)`."""
+class RotaryEmbedding(CustomOp):
+    """`cos_sin(positions [T]) -> [T, rotary_dim]` once per forward, then per layer
+    `forward(cos_sin, q [T, H, D], k [T, KVH, D])` -> rotated `(q, k)` (new tensors).
+
+    Native: `aserve.kernels.reference`'s rotation. CPU, for 16-bit activations in neox style: two
+    multiplies and two fused multiply-adds per tensor, written into one output (the fused add rounds
+    once instead of twice, so fp32 keeps the native form, which Hugging Face parity relies on).
+    """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None, is_neox: bool = True,
@@ -40,8 +45,32 @@ class RotaryEmbedding(nn.Module):
     def max_position(self) -> int:
         return self.cos_sin_cache.shape[0]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox)
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """The table rows `[T, rotary_dim]` (`cat(cos, sin)`) for `positions`; shared by every layer."""
+        return self.cos_sin_cache.index_select(0, positions.to(torch.int64))
+
+    def forward_native(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = (c.unsqueeze(1) for c in cos_sin.chunk(2, dim=-1))
+        return reference.rotate(q, cos, sin, self.is_neox), reference.rotate(k, cos, sin, self.is_neox)
+
+    def forward_cpu(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_neox or q.dtype == torch.float32 or cos_sin.dtype != q.dtype:
+            return self.forward_native(cos_sin, q, k)
+        cos, sin = (c.unsqueeze(1) for c in cos_sin.chunk(2, dim=-1))
+        return _rotate_neox_into(q, cos, sin), _rotate_neox_into(k, cos, sin)
+
+
+def _rotate_neox_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`reference.rotate` (neox) as two multiplies and two fused multiply-adds into one new tensor."""
+    half = cos.shape[-1]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    o1, o2 = out[..., :half], out[..., half:2 * half]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    if x.shape[-1] > 2 * half:
+        out[..., 2 * half:] = x[..., 2 * half:]
+    return out
 
 
 def _inv_freq(dim: int, base: float, max_position: int,

@@ -38,10 +38,11 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`cos_sin`: the step's rotary rows (`RotaryEmbedding.cos_sin(positions)`)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         num_tokens = hidden.shape[0]
-        q, k = self.rotary(positions, q.view(num_tokens, self.num_heads, self.head_dim),
+        q, k = self.rotary(cos_sin, q.view(num_tokens, self.num_heads, self.head_dim),
                            k.view(num_tokens, self.num_kv_heads, self.head_dim))
         out = self.attn(q.view(num_tokens, -1), k.view(num_tokens, -1), v, meta)
         return self.o_proj(out)
@@ -66,14 +67,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(arch, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(cos_sin, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -92,9 +93,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)  # looked up once, shared by every layer
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(cos_sin, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
