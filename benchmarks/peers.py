@@ -1,0 +1,398 @@
+"""Peer benchmark: aserve, llama.cpp's server and `transformers serve`, one after another (issue 10).
+
+Not part of CI. Every system serves the same seeded chat workload (`benchmarks/serving.py` is the
+client) and the script prints one markdown table, the CPU model, the date and its command line:
+
+    python benchmarks/peers.py --llama-server PATH/llama-server --make-bf16-gguf   # once: HF -> bf16 GGUF
+    python benchmarks/peers.py --llama-server PATH/llama-server --json-out peers.json
+
+Systems (`--systems`, comma-separated; default all): `aserve-bf16` (`aserve --dtype bfloat16`),
+`aserve-gguf` (`aserve --quantization gguf`: the bundled Q4_1 GGUF served natively), `llama-bf16`
+(llama-server on the bf16 GGUF made by `--make-bf16-gguf`), `llama-q4_1` (llama-server on the bundled
+GGUF file as-is) and `transformers` (`transformers serve --continuous-batching` on the HF folder). A
+system that cannot run here (no binary, no file, no `transformers[serving]` extras) gets a row
+"skipped: why". `--model` is passed to aserve (default: the bundled SmolLM2); the HF folder and the
+GGUF file of the other rows follow from it.
+
+Each pass (one per `--concurrency` value, with the matching `--num-prompts`) runs against a freshly
+started server on a free port, so no pass is served from a cache an earlier pass filled: start the
+server, time it to ready (GET /health 200; /v1/models for transformers serve), send `--warmup`
+short requests on other prompts, run the measured pass, stop the server (SIGTERM to its process
+group, SIGKILL after --stop-grace s). Server logs go to --log-dir. EOS is honoured by default:
+llama.cpp's OpenAI endpoint does not honour `ignore_eos`, so `--ignore-eos` makes the rows unequal.
+
+`--make-bf16-gguf` converts the HF folder with llama.cpp's `convert_hf_to_gguf.py --outtype bf16`
+(from `--llama-cpp-src`, default: three levels above `--llama-server`), which needs `pip install
+sentencepiece` and `rope_theta` at the top level of config.json: it converts a temporary copy of the
+folder whose config.json gets it from `rope_parameters` (transformers 5 writes it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+import serving
+
+SYSTEMS = ("aserve-bf16", "aserve-gguf", "llama-bf16", "llama-q4_1", "transformers")
+COLUMNS = ("system", "weights", "c", "output tok/s", "TTFT p50", "ITL p50", "TPOT p50", "start-up s")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+HOST = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A server exited or did not become ready; the row says so instead of the numbers."""
+
+
+@dataclass
+class System:
+    """One row group: how to start a server, where it says it is ready, and why it may not run."""
+
+    key: str
+    name: str
+    weights: str
+    argv: list[str]  # without --host/--port, which every launch appends
+    ready_path: str
+    model: str = ""  # model name in requests ("" = the first from GET /v1/models)
+    skipped: str = ""  # non-empty: cannot run here, and why
+
+
+def patch_rope_theta(config: dict) -> dict:
+    """config.json as llama.cpp's converter reads it: `rope_theta` at the top level.
+
+    transformers 5 keeps it under `rope_parameters`; a top-level value is left as it is.
+    """
+    patched = dict(config)
+    nested = (config.get("rope_parameters") or {}).get("rope_theta")
+    if "rope_theta" not in patched and nested is not None:
+        patched["rope_theta"] = nested
+    return patched
+
+
+def cpu_summary(cpuinfo: str) -> str:
+    """'<model name> (<n> logical CPUs; avx2 yes, ...)' from the text of /proc/cpuinfo."""
+    model, count, flags = "unknown CPU", 0, set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            count += 1
+        elif key == "model name" and model == "unknown CPU":
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    marks = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
+    return f"{model} ({count} logical CPUs; {marks})"
+
+
+def _read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def default_bf16_gguf(hf_folder: str) -> str:
+    name = os.path.basename(os.path.normpath(hf_folder)) if hf_folder else "model"
+    return os.path.expanduser(f"~/.cache/aserve/peers/{name}-bf16.gguf")
+
+
+def locate_weights(model: str) -> tuple[str, str, str]:
+    """(HF folder, GGUF file, why a missing one is missing) for `--model` ("" = the bundled model).
+
+    Imports aserve (only its model_source, no torch) to find the same folder aserve serves.
+    """
+    try:
+        from aserve.model_source import ModelSourceError, bundled_gguf_path, resolve_model
+    except ImportError as exc:
+        return "", "", f"aserve is not importable: {exc}"
+    try:
+        hf_folder = resolve_model(model)
+        if model.endswith(".gguf"):
+            return hf_folder, os.path.expanduser(model), ""
+        if model:
+            return hf_folder, "", f"--model {model} is not a .gguf file"
+        return hf_folder, bundled_gguf_path(), ""
+    except ModelSourceError as exc:  # it only skips the rows that need these weights
+        return "", "", str(exc)
+
+
+def _missing_modules(names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def plan_systems(args: argparse.Namespace, hf_folder: str, gguf_file: str, why: str) -> list[System]:
+    """The selected systems in `SYSTEMS` order, each with its command or the reason it is skipped."""
+    aserve = shutil.which("aserve") or ""
+    aserve_why = "" if aserve else "no `aserve` on PATH"
+    llama = args.llama_server or shutil.which("llama-server") or ""
+    llama_why = "" if llama and os.access(llama, os.X_OK) else (
+        f"no llama-server binary at {llama}" if llama else "no llama-server binary (pass --llama-server)")
+    bf16_gguf = args.llama_bf16_gguf or default_bf16_gguf(hf_folder)
+    bf16_why = "" if os.path.isfile(bf16_gguf) else (
+        f"no bf16 GGUF at {bf16_gguf} (make it with --make-bf16-gguf)")
+    gguf_why = "" if gguf_file else (why or "no GGUF file")
+    hf_why = "" if hf_folder else (why or "no HF folder")
+    tf = shutil.which("transformers") or ""
+    missing = _missing_modules(("fastapi", "uvicorn"))
+    tf_why = ("no `transformers` on PATH" if not tf else
+              f"transformers[serving] extras missing ({', '.join(missing)}): "
+              "pip install 'transformers[serving]'"
+              if missing else hf_why)
+    model_args = ["--model", args.model] if args.model else []
+    aserve_extra, llama_extra = shlex.split(args.aserve_args), shlex.split(args.llama_args)
+    tf_extra = shlex.split(args.transformers_args)
+    gguf_name = os.path.basename(gguf_file) if gguf_file else "GGUF"
+    candidates = [
+        System("aserve-bf16", "aserve", "bf16", [aserve, *model_args, "--dtype", "bfloat16", *aserve_extra],
+               "/health", skipped=aserve_why),
+        System("aserve-gguf", "aserve", gguf_name,
+               [aserve, *model_args, "--quantization", "gguf", *aserve_extra],
+               "/health", skipped=aserve_why or gguf_why),
+        System("llama-bf16", "llama.cpp", "bf16 GGUF", [llama, "-m", bf16_gguf, *llama_extra],
+               "/health", skipped=llama_why or bf16_why),
+        System("llama-q4_1", "llama.cpp", gguf_name, [llama, "-m", gguf_file, *llama_extra],
+               "/health", skipped=llama_why or gguf_why),
+        System("transformers", "transformers serve", f"HF folder ({' '.join(tf_extra) or 'dtype auto'})",
+               [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], "/v1/models", model=hf_folder,
+               skipped=tf_why),
+    ]
+    return [s for s in candidates if s.key in args.systems]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, started: float, timeout: float) -> float:
+    """Seconds from `started` until GET `url` answers 200; ServerError if the process exits first."""
+    while True:
+        if proc.poll() is not None:
+            raise ServerError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() - started > timeout:
+            raise ServerError(f"not ready after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to the server's process group (it was started in its own session), SIGKILL after `grace` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def load_args(args: argparse.Namespace, base_url: str, model: str, concurrency: int, num_prompts: int,
+              seed: int, max_tokens: int) -> argparse.Namespace:
+    """serving.py's arguments for one pass (its parser supplies every default)."""
+    argv = ["--base-url", base_url, "--endpoint", "chat", "--num-prompts", str(num_prompts),
+            "--prompt-words", str(args.prompt_words), "--max-tokens", str(max_tokens),
+            "--temperature", str(args.temperature), "--seed", str(seed),
+            "--max-concurrency", str(concurrency), "--timeout", str(args.request_timeout)]
+    if model:
+        argv += ["--model", model]
+    if args.ignore_eos:
+        argv.append("--ignore-eos")
+    return serving.parse_args(argv)
+
+
+def run_pass(system: System, args: argparse.Namespace, concurrency: int, num_prompts: int,
+             log_dir: str) -> dict:
+    """One fresh server, its start-up time and one measured pass: a result row."""
+    row = {"system": system.name, "key": system.key, "weights": system.weights, "concurrency": concurrency,
+           "num_prompts": num_prompts}
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    row["command"] = shlex.join([*system.argv, "--host", HOST, "--port", str(port)])
+    log_path = os.path.join(log_dir, f"{system.key}-c{concurrency}.log")
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(shlex.split(row["command"]), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        row["startup_s"] = wait_ready(proc, base_url + system.ready_path, started, args.startup_timeout)
+        if args.warmup:
+            asyncio.run(serving.run(load_args(args, base_url, system.model, 1, args.warmup,
+                                              args.seed + 1_000_003, min(8, args.max_tokens))))
+        row["report"] = asyncio.run(serving.run(load_args(args, base_url, system.model, concurrency,
+                                                          num_prompts, args.seed, args.max_tokens)))
+    except (ServerError, httpx.HTTPError) as exc:
+        row["failed"] = f"{type(exc).__name__}: {exc} (log: {log_path})"
+    finally:
+        stop(proc, args.stop_grace)
+    return row
+
+
+def _ms(stats: dict) -> str:
+    return "n/a" if stats.get("p50") is None else f"{stats['p50'] * 1000:.1f} ms"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The markdown table: one row per system and concurrency, or one "skipped"/"failed" row."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2)]
+    for row in rows:
+        c = str(row.get("concurrency", "")) if "skipped" not in row else ""
+        startup = f"{row['startup_s']:.1f}" if row.get("startup_s") is not None else ""
+        if "skipped" in row or "failed" in row:
+            note = f"skipped: {row['skipped']}" if "skipped" in row else f"failed: {row['failed']}"
+            cells = [note, "", "", "", startup]
+        else:
+            report = row["report"]
+            tok_s = f"{report['output_throughput']:.1f}"
+            if report["failed"]:
+                tok_s += f" ({report['failed']} of {report['num_prompts']} failed)"
+            ttft = report["ttft_s"].get("p50")
+            cells = [tok_s, "n/a" if ttft is None else f"{ttft:.2f} s", _ms(report["itl_s"]),
+                     _ms(report["tpot_s"]), startup]
+        texts = [row["system"], row["weights"], c, *cells]
+        lines.append("| " + " | ".join(t.replace("|", "\\|") for t in texts) + " |")
+    return "\n".join(lines)
+
+
+def make_bf16_gguf(hf_folder: str, out: str, llama_src: str) -> int:
+    """Convert `hf_folder` (untouched: a patched temporary copy is converted) to a bf16 GGUF at `out`."""
+    script = os.path.join(llama_src, "convert_hf_to_gguf.py")
+    if not os.path.isfile(script):
+        print(f"no {script}: pass --llama-cpp-src (the llama.cpp source tree)", file=sys.stderr)
+        return 2
+    if _missing_modules(("sentencepiece",)):
+        print("llama.cpp's converter needs sentencepiece: pip install sentencepiece", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="aserve-peers-hf-") as tmp:
+        for name in os.listdir(hf_folder):
+            if name != "config.json":
+                os.symlink(os.path.join(hf_folder, name), os.path.join(tmp, name))
+        with open(os.path.join(hf_folder, "config.json")) as f:
+            config = patch_rope_theta(json.load(f))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        return subprocess.call([sys.executable, script, tmp, "--outtype", "bf16", "--outfile", out])
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    p.add_argument("--model", default="", help="passed to aserve (default: the bundled SmolLM2)")
+    p.add_argument("--concurrency", default="1,16", help="one pass per value, on a fresh server: %(default)s")
+    p.add_argument("--num-prompts", default="8,48",
+                   help="per pass: one value or one per --concurrency: %(default)s")
+    p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="llama.cpp ignores it: rows become unequal")
+    p.add_argument("--warmup", type=int, default=1, help="short requests (other prompts) before each pass")
+    p.add_argument("--aserve-args", default="--disable-log-requests",
+                   help="extra aserve flags (write --aserve-args=...): %(default)s")
+    p.add_argument("--llama-server", default="", help="llama-server binary (default: llama-server on PATH)")
+    p.add_argument("--llama-bf16-gguf", default="",
+                   help="bf16 GGUF for llama-bf16 (default: ~/.cache/aserve/peers/<folder>-bf16.gguf)")
+    p.add_argument("--llama-args", default="-t 2 -np 16 -c 65536", help="llama-server flags: %(default)s")
+    p.add_argument("--llama-cpp-src", default="", help="llama.cpp source (default: --llama-server/../../..)")
+    p.add_argument("--transformers-args", default="--dtype bfloat16",
+                   help="extra `transformers serve` flags: %(default)s")
+    p.add_argument("--make-bf16-gguf", action="store_true", help="write --llama-bf16-gguf and exit")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--stop-grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--log-dir", default="", help="server logs (default: a new temporary folder)")
+    p.add_argument("--json-out", default=None, help="also write everything as JSON to this file")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if unknown := sorted(set(args.systems) - set(SYSTEMS)):
+        p.error(f"--systems: unknown {unknown}; known: {SYSTEMS}")
+    try:
+        args.concurrency, args.num_prompts = _int_list(args.concurrency), _int_list(args.num_prompts)
+    except ValueError as exc:
+        p.error(f"--concurrency/--num-prompts: {exc}")
+    if len(args.num_prompts) == 1:
+        args.num_prompts *= len(args.concurrency)
+    if not args.concurrency or len(args.num_prompts) != len(args.concurrency):
+        p.error("--num-prompts: give one value, or one per --concurrency value")
+    if min(args.concurrency + args.num_prompts) < 1:
+        p.error("--concurrency/--num-prompts: values must be >= 1")
+    if not args.llama_cpp_src and args.llama_server:
+        binary = os.path.abspath(args.llama_server)  # <src>/build/bin/llama-server
+        args.llama_cpp_src = os.path.dirname(os.path.dirname(os.path.dirname(binary)))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hf_folder, gguf_file, why = locate_weights(args.model)
+    if args.make_bf16_gguf:
+        if not hf_folder:
+            print(f"no HF folder: {why}", file=sys.stderr)
+            return 2
+        out = args.llama_bf16_gguf or default_bf16_gguf(hf_folder)
+        return make_bf16_gguf(hf_folder, out, args.llama_cpp_src)
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="aserve-peers-")
+    os.makedirs(log_dir, exist_ok=True)
+    rows = []
+    for system in plan_systems(args, hf_folder, gguf_file, why):
+        if system.skipped:
+            rows.append({"system": system.name, "key": system.key, "weights": system.weights,
+                         "skipped": system.skipped})
+            continue
+        for concurrency, num_prompts in zip(args.concurrency, args.num_prompts, strict=True):
+            print(f"{system.key}: c={concurrency}, {num_prompts} prompts ...", file=sys.stderr, flush=True)
+            rows.append(run_pass(system, args, concurrency, num_prompts, log_dir))
+    info = {
+        "cpu": cpu_summary(_read_cpuinfo()),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join([os.path.basename(sys.executable), *sys.argv]) if argv is None
+        else shlex.join(["benchmarks/peers.py", *argv]),
+        "workload": (f"chat, ~{args.prompt_words}-word prompts (seed {args.seed}), at most {args.max_tokens} "
+                     f"output tokens, temperature {args.temperature}, "
+                     f"EOS {'ignored' if args.ignore_eos else 'honoured'}; "
+                     f"{args.warmup} warm-up request(s) and a fresh server per pass"),
+    }
+    print("\n".join(f"{k}: {v}" for k, v in info.items()))
+    print(f"server logs: {log_dir}\n")
+    print(format_table(rows))
+    for row in rows:
+        if "command" in row:
+            print(f"- {row['key']} c={row['concurrency']}: `{row['command']}`")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({**info, "hf_folder": hf_folder, "gguf_file": gguf_file, "rows": rows}, f, indent=2)
+    return 1 if any("failed" in r or r.get("report", {}).get("failed") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
