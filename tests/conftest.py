@@ -9,8 +9,12 @@ import pytest
 
 from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
 
-# Keep torch from oversubscribing the two CI cores when several engines/processes run.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Keep torch from oversubscribing the cores when several engines/processes run: under pytest-xdist
+# every worker (and the servers it starts) gets one torch thread, otherwise two.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -28,11 +28,13 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    all_valid: bool = False,
 ) -> None:
     """Write key/value `[T, KVH, D]` into `kv_cache` at `slot_mapping` `[T]` (int64; -1 = skip), in place.
 
     An fp8 cache stores `(x / scale)` saturated to the fp8 range. Slots must be distinct (apart
-    from -1). Checking for -1 reads the slots on the host once.
+    from -1). Checking for -1 reads the slots on the host once; `all_valid=True` (the caller already
+    dropped the -1 slots) skips the check.
     """
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
@@ -47,10 +49,11 @@ def reshape_and_cache(
     else:
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     slots = slot_mapping.to(torch.int64)
-    valid = slots >= 0
-    # The common case (no skipped tokens) avoids a data-dependent boolean gather.
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
+    if not all_valid:
+        valid = slots >= 0
+        # The common case (no skipped tokens) avoids a data-dependent boolean gather.
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
     key_cache.index_copy_(0, slots, key)
     value_cache.index_copy_(0, slots, value)
 
@@ -95,17 +98,18 @@ def decode_mask(seq_lens: torch.Tensor, max_len: int, sliding_window: int | None
     return mask
 
 
-def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
     """q `[B, H, D]` against keys/values `[B, L, KVH, D]` (any strides) under `mask` `[B, L]` -> `[B, H, D]`.
 
-    Each KV head's query group is treated as a short query sequence, so GQA needs no K/V expansion.
+    `mask=None`: every key is visible (callers pass exactly the visible keys). Each KV head's query
+    group is treated as a short query sequence, so GQA needs no K/V expansion.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask[:, None, None, :], scale=scale)
+                                         attn_mask=None if mask is None else mask[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

@@ -17,7 +17,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 70))]
 
 
 def _engine(path: str, executors: list | None = None, **kwargs) -> AsyncEngine:
-    """The engine; the executor it made is appended to `executors` when given."""
+    """The engine (a thread executor unless `distributed_executor_backend` is given; None = the async
+    engine's default); the executor it made is appended to `executors` when given."""
+    kwargs.setdefault("distributed_executor_backend", "uni")
     args = EngineArgs(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                       cpu_kvcache_space=0.02, **kwargs)
 
@@ -96,9 +98,11 @@ def test_abort_frees_blocks_within_a_step(tiny_llama):
 
 
 def test_worker_death_fails_requests_and_health(tiny_llama):
+    """Also: without an explicit backend the async engine runs the model in a worker process."""
     async def main():
         executors: list = []
-        engine = _engine(tiny_llama, executors, distributed_executor_backend="mp")
+        engine = _engine(tiny_llama, executors, distributed_executor_backend=None)
+        assert engine.config.parallel.distributed_executor_backend == "mp"
         pid = executors[0].pid
         # the engine loop re-raises the executor's error, failing its task group
         with pytest.RaisesGroup(ExecutorDeadError):

@@ -78,7 +78,9 @@ def build_tiny_chat_model(folder: Path, vocab_size: int = 512) -> str:
 def _build_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:
     from aserve.engine.async_engine import AsyncEngine
 
-    defaults = dict(max_model_len=TINY_MAX_MODEL_LEN, dtype="float32", max_num_seqs=16, num_gpu_blocks_override=64)
+    # A thread executor keeps these servers quick to start; the server's default (mp) has its own tests.
+    defaults = dict(max_model_len=TINY_MAX_MODEL_LEN, dtype="float32", max_num_seqs=16, num_gpu_blocks_override=64,
+                    distributed_executor_backend="uni")
     return AsyncEngine.from_engine_args(EngineArgs(model=model, **{**defaults, **engine_kwargs}))
 
 

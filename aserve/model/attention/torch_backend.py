@@ -27,7 +27,10 @@ class _StepPlan:
     slots: torch.Tensor  # int64: destination slots of the tokens that are written
     valid_rows: torch.Tensor | None  # rows of k/v to write; None = the first num_tokens rows
     decode_block_ids: torch.Tensor | None  # int64 [num_decodes * blocks_per_decode]
-    decode_mask: torch.Tensor | None  # bool [num_decodes, blocks_per_decode * block_size]
+    # bool [num_decodes, blocks_per_decode * block_size]; None: one decode that sees its first
+    # `decode_len` gathered keys, no mask needed
+    decode_mask: torch.Tensor | None
+    decode_len: int
     prefills: list[_PrefillSeq]
 
 
@@ -73,10 +76,12 @@ class TorchAttentionBackend:
             k, v = k[:num_tokens], v[:num_tokens]
         else:
             k, v = k.index_select(0, plan.valid_rows), v.index_select(0, plan.valid_rows)
-        reference.reshape_and_cache(k, v, kv_cache, plan.slots, meta.k_scale, meta.v_scale)
+        reference.reshape_and_cache(k, v, kv_cache, plan.slots, meta.k_scale, meta.v_scale, all_valid=True)
 
-        out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         num_decodes = meta.num_decodes
+        if num_decodes == q.shape[0] and not plan.prefills:  # decodes only, no padding rows
+            return self._decode(q, kv_cache, plan, meta, scale)
+        out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale)
         for seq in plan.prefills:
@@ -87,8 +92,10 @@ class TorchAttentionBackend:
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        assert plan.decode_block_ids is not None and plan.decode_mask is not None
+        assert plan.decode_block_ids is not None
         keys, values = self._gather(kv_cache, plan.decode_block_ids, q.shape[0], q.dtype, meta)
+        if plan.decode_mask is None:
+            keys, values = keys[:, :plan.decode_len], values[:, :plan.decode_len]
         return reference.attend_decode(q, keys, values, plan.decode_mask, scale)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype,
@@ -120,11 +127,14 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
 
     num_decodes = meta.num_decodes
     decode_block_ids = decode_mask = None
+    decode_len = 0
     if num_decodes:
-        num_blocks = -(-max(meta.seq_lens_cpu[:num_decodes]) // block_size)
+        decode_len = max(meta.seq_lens_cpu[:num_decodes])
+        num_blocks = -(-decode_len // block_size)
         decode_block_ids = meta.block_tables[:num_decodes, :num_blocks].reshape(-1).to(torch.int64)
-        decode_mask = reference.decode_mask(meta.seq_lens[:num_decodes], num_blocks * block_size,
-                                            meta.sliding_window)
+        window = meta.sliding_window
+        if num_decodes > 1 or (window is not None and window < decode_len):
+            decode_mask = reference.decode_mask(meta.seq_lens[:num_decodes], num_blocks * block_size, window)
 
     prefills = []
     starts = meta.query_start_loc_cpu
@@ -135,4 +145,4 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
         block_ids = meta.block_tables[i, : -(-seq_len // block_size)].to(torch.int64)
         mask = reference.prefill_mask(q_end - q_start, seq_len, meta.sliding_window, device)
         prefills.append(_PrefillSeq(q_start, q_end, seq_len, block_ids, mask))
-    return _StepPlan(block_size, slots, valid_rows, decode_block_ids, decode_mask, prefills)
+    return _StepPlan(block_size, slots, valid_rows, decode_block_ids, decode_mask, decode_len, prefills)

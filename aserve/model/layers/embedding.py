@@ -37,7 +37,20 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
 
+        self.packed_weight: torch.Tensor | None = None  # the CPU form, from `pack_for_cpu`
+
+    def pack_for_cpu(self) -> None:
+        """After loading: multiply by a oneDNN-packed copy of the weight (aserve/model/quantization/
+        cpu_packed.py; a tied head keeps the embedding's weight for lookups, so this is a copy)."""
+        from aserve.model.quantization.cpu_packed import pack_weight
+
+        self.packed_weight = pack_weight(self.weight.data)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            from aserve.model.quantization.cpu_packed import packed_linear
+
+            return packed_linear(hidden, self.packed_weight, None).float()
         return F.linear(hidden, self.weight).float()
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:

@@ -16,10 +16,12 @@ from torch import nn
 
 from aserve.model.layers.linear import Linear
 from aserve.model.quantization.base import LinearMethodBase
+from aserve.model.quantization.cpu_packed import CpuPackedLinearMethod, cpu_packing_supported
 from aserve.model.quantization.gguf import GGUF_INT4_SUFFIXES, GGUFInt4Method
 from aserve.model.quantization.gguf_reader import GGUF_GROUP_SIZE, NATIVE_INT4_TYPES, GGUFLinearWeights
 from aserve.model.quantization.int4 import Int4WeightOnlyMethod
 from aserve.model.quantization.int4_cpu import dequantize_int4, int4_packable
+from aserve.model.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,24 @@ def check_gguf_decoding(gguf: GGUFLinearWeights, prefix: str, reference: torch.T
     if got.shape != reference.shape or not torch.allclose(got, reference.float(), rtol=1e-5, atol=1e-6):
         raise ValueError(f"--quantization gguf: {prefix} decoded from {gguf.path} does not match its dequantized "
                          "copy (unsupported layout); drop --quantization to serve it dequantized")
+
+
+def use_cpu_packed_linears(model: nn.Module) -> int:
+    """After loading, on CPUs where it applies (`cpu_packing_supported`): the float Linear layers
+    and the LM head multiply by oneDNN-packed weights. Returns how many Linear layers switched."""
+    dtype = getattr(model, "dtype", None)
+    head = getattr(model, "lm_head", None)
+    device = head.weight.device if head is not None else next(model.parameters()).device
+    if dtype is None or not cpu_packing_supported(dtype, device):
+        return 0
+    count = 0
+    for _, layer in linear_layers(model):
+        if type(layer.quant_method) is UnquantizedLinearMethod:
+            layer.quant_method = CpuPackedLinearMethod()
+            count += 1
+    if head is not None:
+        head.pack_for_cpu()
+    return count
 
 
 def process_weights_after_loading(model: nn.Module) -> dict[str, int]:
