@@ -184,7 +184,9 @@ def test_metrics_move_with_real_engine(client, real):
 
 
 def test_cli_serves_and_exits_0_on_sigterm():
-    args = ["--host", "127.0.0.1", "--port", "0", "--disable-log-stats", "--disable-log-requests"]
+    # uni: the server's default worker process is exercised by test_drain.py and test_engine_death.py
+    args = ["--host", "127.0.0.1", "--port", "0", "--disable-log-stats", "--disable-log-requests",
+            "--distributed-executor-backend", "uni"]
     for k, v in ENGINE_ARGS.items():
         args += ["--" + k.replace("_", "-"), str(v)]
     proc = subprocess.Popen(

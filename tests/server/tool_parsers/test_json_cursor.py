@@ -46,14 +46,14 @@ json_values = st.recursive(
 containers = st.one_of(st.lists(json_values, max_size=4), st.dictionaries(st.text(max_size=5), json_values))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(containers, st.booleans(), st.booleans())
 def test_accepts_every_serialized_container(value, ensure_ascii, indent):
     text = json.dumps(value, ensure_ascii=ensure_ascii, indent=2 if indent else None)
     assert _cursor_accepts(text)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(containers, st.data())
 def test_agrees_with_json_loads_on_mutations(value, data):
     text = json.dumps(value)
