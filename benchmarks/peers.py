@@ -7,7 +7,9 @@ client) and the script prints one markdown table, the CPU model, the date and it
     python benchmarks/peers.py --llama-server PATH/llama-server --json-out peers.json
 
 Systems (`--systems`, comma-separated; default all): `aserve-bf16` (`aserve --dtype bfloat16`),
-`aserve-gguf` (`aserve --quantization gguf`: the bundled Q4_1 GGUF served natively), `llama-bf16`
+`aserve-gguf` (`aserve --quantization gguf`: the bundled Q4_1 GGUF served natively), `aserve-gguf-O3`
+(the same with `-O3`: an inductor-compiled decode for batch size 1; its start-up includes compiling,
+which inductor's on-disk cache shortens after the first run), `llama-bf16`
 (llama-server on the bf16 GGUF made by `--make-bf16-gguf`), `llama-q4_1` (llama-server on the bundled
 GGUF file as-is) and `transformers` (`transformers serve --continuous-batching` on the HF folder). A
 system that cannot run here (no binary, no file, no `transformers[serving]` extras) gets a row
@@ -16,7 +18,7 @@ GGUF file of the other rows follow from it.
 
 Each pass (one per `--concurrency` value, with the matching `--num-prompts`) runs against a freshly
 started server on a free port, so no pass is served from a cache an earlier pass filled: start the
-server, time it to ready (GET /health 200; /v1/models for transformers serve), send `--warmup`
+server, time it to ready (GET /health 200; transformers serve answers /v1/models with a 500 when the hub cache folder is missing, so /health there too), send `--warmup`
 short requests on other prompts, run the measured pass, stop the server (SIGTERM to its process
 group, SIGKILL after --stop-grace s). Server logs go to --log-dir. EOS is honoured by default:
 llama.cpp's OpenAI endpoint does not honour `ignore_eos`, so `--ignore-eos` makes the rows unequal.
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 import httpx
 import serving
 
-SYSTEMS = ("aserve-bf16", "aserve-gguf", "llama-bf16", "llama-q4_1", "transformers")
+SYSTEMS = ("aserve-bf16", "aserve-gguf", "aserve-gguf-O3", "llama-bf16", "llama-q4_1", "transformers")
 COLUMNS = ("system", "weights", "c", "output tok/s", "TTFT p50", "ITL p50", "TPOT p50", "start-up s")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 HOST = "127.0.0.1"
@@ -164,12 +166,15 @@ def plan_systems(args: argparse.Namespace, hf_folder: str, gguf_file: str, why: 
         System("aserve-gguf", "aserve", gguf_name,
                [aserve, *model_args, "--quantization", "gguf", *aserve_extra],
                "/health", skipped=aserve_why or gguf_why),
+        System("aserve-gguf-O3", "aserve -O3", gguf_name,
+               [aserve, *model_args, "--quantization", "gguf", "-O3", *aserve_extra],
+               "/health", skipped=aserve_why or gguf_why),
         System("llama-bf16", "llama.cpp", "bf16 GGUF", [llama, "-m", bf16_gguf, *llama_extra],
                "/health", skipped=llama_why or bf16_why),
         System("llama-q4_1", "llama.cpp", gguf_name, [llama, "-m", gguf_file, *llama_extra],
                "/health", skipped=llama_why or gguf_why),
         System("transformers", "transformers serve", f"HF folder ({' '.join(tf_extra) or 'dtype auto'})",
-               [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], "/v1/models", model=hf_folder,
+               [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], "/health", model=hf_folder,
                skipped=tf_why),
     ]
     return [s for s in candidates if s.key in args.systems]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from aserve.config.compilation import parse_compilation_config
 from aserve.config.errors import ConfigError, require
 from aserve.config.resolve import resolve_config
 from aserve.config.schema import AserveConfig
@@ -82,6 +83,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_logprobs: int = 20
     enforce_eager: bool = False
+    # -O: an int level or {"level": ..., "compile_sizes": [...]} (aserve/config/compilation.py)
+    compilation_config: int | str | dict[str, Any] | None = None
     max_seq_len_to_capture: int = 8192
     enable_chunked_prefill: bool | None = None
     preemption_mode: str | None = None
@@ -125,6 +128,7 @@ class EngineArgs:
         self._validate_combinations()
         self._reject_unimplemented()
         self.resolved_guided_decoding_backend()
+        parse_compilation_config(self.compilation_config)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
                       cuda_available: bool = False) -> AserveConfig:

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from aserve.config.dtype_policy import resolve_dtype
+from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
 from aserve.config.hf_config import (
     SUPPORTED_ARCHITECTURES,
@@ -94,6 +95,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         arch=arch,
         skip_tokenizer_init=args.skip_tokenizer_init,
     )
+    compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     return AserveConfig(
         model=model_cfg,
         cache=CacheConfig(
@@ -117,7 +119,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(distributed_executor_backend=args.distributed_executor_backend or "uni"),
         runner=RunnerConfig(
-            enforce_eager=args.enforce_eager or device != "cuda",
+            enforce_eager=compilation.level == 0 or device != "cuda",
+            compile_sizes=compilation.compile_sizes,
             max_seq_len_to_capture=args.max_seq_len_to_capture,
             attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
             disable_async_output_proc=args.disable_async_output_proc,

@@ -84,9 +84,11 @@ class ParallelConfig:
 class RunnerConfig:
     """How the runner executes: graphs, eager fallback, attention backend."""
 
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs (always True off CUDA)
     max_seq_len_to_capture: int = 8192
     attention_backend: str = "torch"  # resolved: "torch" | "triton"
+    # CPU: decode batch sizes that run an inductor-compiled forward (-O3; empty: eager everywhere)
+    compile_sizes: tuple[int, ...] = ()
     disable_async_output_proc: bool = False
 
 

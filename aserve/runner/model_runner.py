@@ -24,6 +24,7 @@ import torch
 from aserve.config import AserveConfig, GiB
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
+from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
@@ -61,6 +62,7 @@ class ModelRunner:
         self.sampler = Sampler(self.arch.vocab_size, self.device, seed=config.model.seed)
         self.structured = StructuredOutputs(config, max_num_rows=config.scheduler.max_num_seqs)
         self.graph_runner: CudaGraphRunner | None = None
+        self.compiled_decode: CompiledDecode | None = None
         self.force_static_decode = force_static_decode
         self.static_sizes = capture_sizes(config.scheduler.max_num_seqs)
         self.max_blocks_per_seq = math.ceil(config.model.max_model_len / self.block_size)
@@ -150,7 +152,16 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """CUDA, unless enforce_eager: capture the decode graphs. Only host-sync-free backends can be
-        captured; the torch backend checks its slots on the host, so with it decode stays eager."""
+        captured; the torch backend checks its slots on the host, so with it decode stays eager.
+        CPU with `compile_sizes` (-O3): compile the decode forward for those batch sizes instead."""
+        sizes = self.config.runner.compile_sizes
+        if self.device.type == "cpu" and sizes:
+            if not getattr(self.backend, "supports_decode_inputs", False):
+                raise ValueError(f"-O3 on CPU needs the torch attention backend, not {self.backend.name}")
+            self.compiled_decode = CompiledDecode(self.model, sizes, self.block_size, self.kv_caches)
+            seconds = self.compiled_decode.warm_up()
+            logger.info("Compiled the CPU decode forward (inductor) for batch sizes %s in %.1fs", list(sizes), seconds)
+            return
         if self.device.type != "cuda" or self.config.runner.enforce_eager:
             return
         if self.backend.name not in _GRAPH_CAPTURABLE_BACKENDS:
@@ -224,6 +235,8 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta
+        if self.compiled_decode is not None and self.compiled_decode.can_run(meta, inputs.input_ids.shape[0]):
+            return self.compiled_decode.run(inputs.input_ids, inputs.positions, meta)
         g = self.graph_runner
         if (g is not None and meta.num_decodes == meta.num_seqs and meta.num_seqs in g.graphs
                 and g.can_run(meta.num_seqs, meta.max_seq_len, meta.block_tables.shape[1])):

@@ -36,7 +36,9 @@ _ENGINE_HELP = {
     "num_gpu_blocks_override": "use this many KV blocks instead of profiling",
     "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process)",
     "disable_async_output_proc": "do not overlap output processing with the next step",
-    "enforce_eager": "never capture CUDA graphs",
+    "enforce_eager": "never capture CUDA graphs (the same as -O0)",
+    "compilation_config": "-O / -O3: a compilation level (0 eager, 3 compiled: CUDA graphs on CUDA, an "
+                          "inductor-compiled decode on CPU) or a JSON object {\"level\": 3, \"compile_sizes\": [1]}",
     "hf_overrides": "JSON object merged into the model's config.json",
     "rope_scaling": 'JSON object, e.g. \'{"rope_type": "linear", "factor": 2.0}\'',
     "disable_log_stats": "no periodic stats log line",
@@ -46,7 +48,7 @@ _ENGINE_HELP = {
     "(a request's guided_decoding_backend overrides it)",
     "structured_outputs_config": 'vLLM\'s newer spelling, a JSON object, e.g. \'{"backend": "xgrammar"}\'',
 }
-_SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+_SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "compilation_config": "-O"}
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help_text += f" (default: {default!r})"
         tp, optional = _unwrap_optional(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
-        if tp is bool:
+        if f.name == "compilation_config":
+            kwargs["type"] = str  # a level or a JSON object; EngineArgs.validate parses it
+        elif tp is bool:
             if default is True or (optional and default is None):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:

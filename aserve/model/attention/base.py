@@ -39,6 +39,20 @@ class AttentionMetadata:
     v_scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A decode-only step's attention inputs as tensors alone, which a compiled forward takes in place
+    of `AttentionMetadata` (its graph then depends on none of their values; see runner/compiled_decode.py).
+    Only backends with `supports_decode_inputs` accept it."""
+
+    slots: torch.Tensor  # [B] int64: where each sequence's new K/V goes (no -1)
+    block_ids: torch.Tensor  # [B * blocks_per_seq] int64: the blocks to read, sequence by sequence
+    mask: torch.Tensor  # [B, blocks_per_seq * block_size] bool; empty: one sequence, no mask needed
+    decode_len: torch.Tensor  # 0-d int64: keys to read when `mask` is empty
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the cache, then attends. Shapes: q [T, H, D], k/v [T, KVH, D]."""
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from aserve.kernels import reference
-from aserve.model.attention.base import AttentionMetadata
+from aserve.model.attention.base import AttentionMetadata, DecodeInputs
 
 
 @dataclass
@@ -39,12 +39,14 @@ class TorchAttentionBackend:
     prefill/extend sequence as its own (offset-)causal SDPA.
 
     Shapes come from the metadata's host lists, so it never syncs with the device except to check
-    for skipped (-1) slots once per step. Gathered K/V go into grow-only buffers reused by every
+    for skipped (-1) slots once per step. A compiled decode passes `DecodeInputs` instead of the
+    metadata; those steps run as one opaque op per layer (`torch_paged_decode`). Gathered K/V go into grow-only buffers reused by every
     layer. Call `begin_forward(meta)` once per model forward to share the per-step plan (block
     indices, masks) across layers; without it each call plans on its own.
     """
 
     name = "torch"
+    supports_decode_inputs = True  # a compiled decode may pass DecodeInputs (see decode_inputs)
 
     def __init__(self) -> None:
         self._step_meta: AttentionMetadata | None = None
@@ -62,9 +64,12 @@ class TorchAttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | DecodeInputs,
         scale: float,
     ) -> torch.Tensor:
+        if isinstance(meta, DecodeInputs):
+            return torch.ops.aserve.torch_paged_decode(q, k, v, kv_cache, meta.slots, meta.block_ids, meta.mask,
+                                                       meta.decode_len, scale, meta.k_scale, meta.v_scale)
         block_size = kv_cache.shape[2]
         plan = self._plan if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
@@ -129,12 +134,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
     decode_block_ids = decode_mask = None
     decode_len = 0
     if num_decodes:
-        decode_len = max(meta.seq_lens_cpu[:num_decodes])
-        num_blocks = -(-decode_len // block_size)
-        decode_block_ids = meta.block_tables[:num_decodes, :num_blocks].reshape(-1).to(torch.int64)
-        window = meta.sliding_window
-        if num_decodes > 1 or (window is not None and window < decode_len):
-            decode_mask = reference.decode_mask(meta.seq_lens[:num_decodes], num_blocks * block_size, window)
+        decode_block_ids, decode_mask, decode_len = _plan_decodes(meta, block_size)
 
     prefills = []
     starts = meta.query_start_loc_cpu
@@ -146,3 +146,47 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
         mask = reference.prefill_mask(q_end - q_start, seq_len, meta.sliding_window, device)
         prefills.append(_PrefillSeq(q_start, q_end, seq_len, block_ids, mask))
     return _StepPlan(block_size, slots, valid_rows, decode_block_ids, decode_mask, decode_len, prefills)
+
+
+def _plan_decodes(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The decodes' flat block ids, their mask (None: one sequence that sees all of its first
+    `decode_len` keys) and the longest decode context."""
+    num_decodes = meta.num_decodes
+    decode_len = max(meta.seq_lens_cpu[:num_decodes])
+    num_blocks = -(-decode_len // block_size)
+    block_ids = meta.block_tables[:num_decodes, :num_blocks].reshape(-1).to(torch.int64)
+    window = meta.sliding_window
+    mask = None
+    if num_decodes > 1 or (window is not None and window < decode_len):
+        mask = reference.decode_mask(meta.seq_lens[:num_decodes], num_blocks * block_size, window)
+    return block_ids, mask, decode_len
+
+
+def decode_inputs(meta: AttentionMetadata, block_size: int) -> DecodeInputs:
+    """`meta` (decodes only, no skipped slots) as the tensors a compiled decode takes."""
+    block_ids, mask, decode_len = _plan_decodes(meta, block_size)
+    if mask is None:
+        mask = torch.empty(0, dtype=torch.bool, device=block_ids.device)
+    return DecodeInputs(meta.slot_mapping[:meta.num_tokens].to(torch.int64), block_ids, mask,
+                        torch.tensor(decode_len, dtype=torch.int64), meta.k_scale, meta.v_scale)
+
+
+@torch.library.custom_op("aserve::torch_paged_decode", mutates_args=("kv_cache",))
+def torch_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       slots: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor, decode_len: torch.Tensor,
+                       scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+    """Decode attention on `DecodeInputs` as one opaque op (a compiled graph calls it; its shapes and
+    values never reach the graph's guards): write k/v `[B, KVH, D]` at `slots`, attend q `[B, H, D]`."""
+    reference.reshape_and_cache(k, v, kv_cache, slots, k_scale, v_scale, all_valid=True)
+    num_seqs = q.shape[0]
+    keys = reference.dequantize(reference.gather_kv(kv_cache[0], block_ids, num_seqs), q.dtype, k_scale)
+    values = reference.dequantize(reference.gather_kv(kv_cache[1], block_ids, num_seqs), q.dtype, v_scale)
+    if mask.numel() == 0:
+        length = int(decode_len)
+        return reference.attend_decode(q, keys[:, :length], values[:, :length], None, scale)
+    return reference.attend_decode(q, keys, values, mask, scale)
+
+
+@torch_paged_decode.register_fake
+def _(q, k, v, kv_cache, slots, block_ids, mask, decode_len, scale, k_scale, v_scale):
+    return torch.empty_like(q)

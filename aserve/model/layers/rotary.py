@@ -54,7 +54,8 @@ class RotaryEmbedding(CustomOp):
         return reference.rotate(q, cos, sin, self.is_neox), reference.rotate(k, cos, sin, self.is_neox)
 
     def forward_cpu(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_neox or q.dtype == torch.float32 or cos_sin.dtype != q.dtype:
+        if (not self.is_neox or q.dtype == torch.float32 or cos_sin.dtype != q.dtype
+                or torch.compiler.is_compiling()):  # inductor fuses the native form; `out=` views break its graph
             return self.forward_native(cos_sin, q, k)
         cos, sin = (c.unsqueeze(1) for c in cos_sin.chunk(2, dim=-1))
         return _rotate_neox_into(q, cos, sin), _rotate_neox_into(k, cos, sin)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from aserve.config import ArchConfig
-from aserve.model.attention.base import AttentionBackend, AttentionMetadata
+from aserve.model.attention.base import AttentionBackend, AttentionMetadata, DecodeInputs
 from aserve.model.layers.activation import get_act_and_mul
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.embedding import LMHead, VocabEmbedding
@@ -140,13 +140,16 @@ class LlamaForCausalLM(nn.Module):
         for attn, cache in zip(layers, kv_caches, strict=True):
             attn.bind_kv_cache(cache)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The model's own sliding window (from its config) overrides `meta.sliding_window`."""
-        if meta.sliding_window != self.sliding_window:
-            meta = dataclasses.replace(meta, sliding_window=self.sliding_window)
-        begin_forward = getattr(self.backend, "begin_forward", None)
-        if begin_forward is not None:  # optional hook: lets the backend plan once per step
-            begin_forward(meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | DecodeInputs) -> torch.Tensor:
+        """The model's own sliding window (from its config) overrides `meta.sliding_window`.
+        `DecodeInputs` (a compiled decode, already planned with that window) go to the layers as they are."""
+        if isinstance(meta, AttentionMetadata):
+            if meta.sliding_window != self.sliding_window:
+                meta = dataclasses.replace(meta, sliding_window=self.sliding_window)
+            begin_forward = getattr(self.backend, "begin_forward", None)
+            if begin_forward is not None:  # optional hook: lets the backend plan once per step
+                begin_forward(meta)
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
