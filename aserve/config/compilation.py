@@ -1,7 +1,8 @@
 """`-O` / `--compilation-config` (vLLM's names): how much of the model runs compiled.
 
-The value is an int level or an object `{"level": 0|3, "compile_sizes": [int, ...]}` (a JSON string
-on the command line). Level 0 runs everything eagerly (`--enforce-eager` means the same). Level 3:
+The value is an int level or an object `{"level": 0|3, "compile_sizes": [int, ...], "backend":
+"inductor"|"aot_eager"|"eager"}` (a JSON string on the command line; `backend` is torch.compile's, for
+the CPU path: `eager` traces the graph without generating code, which tests use). Level 0 runs everything eagerly (`--enforce-eager` means the same). Level 3:
 on CUDA, decode batches replay CUDA graphs (the CUDA default); on CPU, decode-only batches of exactly
 a size in `compile_sizes` (default `[1]`, where per-op overhead dominates) run an inductor-compiled
 forward, compiled at start-up (tens of seconds per size on 2 cores; inductor caches the result on
@@ -18,7 +19,8 @@ from typing import Any
 from aserve.config.errors import ConfigError
 
 LEVELS = (0, 3)
-_KEYS = ("level", "compile_sizes")
+BACKENDS = ("inductor", "aot_eager", "eager")
+_KEYS = ("level", "compile_sizes", "backend")
 CPU_DEFAULT_COMPILE_SIZES = (1,)
 _FLAG = "--compilation-config"
 
@@ -29,6 +31,7 @@ class CompilationConfig:
 
     level: int = 0
     compile_sizes: tuple[int, ...] = ()
+    backend: str = "inductor"
 
 
 def parse_compilation_config(value: int | str | dict[str, Any] | None) -> dict[str, Any]:
@@ -51,6 +54,8 @@ def parse_compilation_config(value: int | str | dict[str, Any] | None) -> dict[s
     if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
         raise ConfigError(f"{_FLAG}: level must be 0 or 3 (vLLM's internal levels 1 and 2 are not "
                           f"implemented), got {level!r}")
+    if spec.get("backend", "inductor") not in BACKENDS:
+        raise ConfigError(f"{_FLAG}: backend must be one of {BACKENDS}, got {spec['backend']!r}")
     sizes = spec.get("compile_sizes")
     if sizes is not None:
         if not isinstance(sizes, list | tuple) or not sizes or not all(
@@ -68,12 +73,13 @@ def resolve_compilation(value: int | str | dict[str, Any] | None, enforce_eager:
         raise ConfigError(f"{_FLAG}: --enforce-eager means level 0; drop one of them")
     level = spec.get("level", 0 if (enforce_eager or device != "cuda") else 3)
     if device == "cuda":
-        if "compile_sizes" in spec:
-            raise ConfigError(f"{_FLAG}: compile_sizes is implemented for CPU only (CUDA uses CUDA graphs)")
+        if "compile_sizes" in spec or "backend" in spec:
+            raise ConfigError(f"{_FLAG}: compile_sizes and backend are implemented for CPU only (CUDA uses "
+                              "CUDA graphs)")
         return CompilationConfig(level=level)
     if level == 0:
         return CompilationConfig(level=0)
     sizes = spec.get("compile_sizes", CPU_DEFAULT_COMPILE_SIZES)
     if max(sizes) > max_num_seqs:
         raise ConfigError(f"{_FLAG}: compile_sizes {list(sizes)} exceed --max-num-seqs {max_num_seqs}")
-    return CompilationConfig(level=level, compile_sizes=sizes)
+    return CompilationConfig(level=level, compile_sizes=sizes, backend=spec.get("backend", "inductor"))

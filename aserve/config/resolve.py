@@ -121,6 +121,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         runner=RunnerConfig(
             enforce_eager=compilation.level == 0 or device != "cuda",
             compile_sizes=compilation.compile_sizes,
+            compile_backend=compilation.backend,
             max_seq_len_to_capture=args.max_seq_len_to_capture,
             attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
             disable_async_output_proc=args.disable_async_output_proc,

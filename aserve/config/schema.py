@@ -89,6 +89,7 @@ class RunnerConfig:
     attention_backend: str = "torch"  # resolved: "torch" | "triton"
     # CPU: decode batch sizes that run an inductor-compiled forward (-O3; empty: eager everywhere)
     compile_sizes: tuple[int, ...] = ()
+    compile_backend: str = "inductor"  # torch.compile backend of the CPU decode
     disable_async_output_proc: bool = False
 
 

@@ -27,12 +27,13 @@ logger = logging.getLogger(__name__)
 class CompiledDecode:
     """`can_run(meta, num_rows)` then `run(input_ids, positions, meta)`; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], block_size: int, kv_caches: list[torch.Tensor]):
+    def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], block_size: int,
+                 kv_caches: list[torch.Tensor], backend: str = "inductor"):
         self.model = model
         self.sizes = frozenset(sizes)
         self.block_size = block_size
         self.kv_caches = kv_caches
-        self._compiled = torch.compile(model, dynamic=False, fullgraph=True)
+        self._compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
 
     def can_run(self, meta: AttentionMetadata, num_rows: int) -> bool:
         """Decodes only, exactly a compiled size, no padding rows and no skipped slots."""

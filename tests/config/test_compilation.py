@@ -22,7 +22,7 @@ def test_parse_accepts_levels_and_objects(value, want):
     (1, "level must be 0 or 3"), (2, "level must be 0 or 3"), (True, "expected a level"),
     ("{not json", "JSON object"), ('{"level": 3, "cudagraph_capture_sizes": [1]}', "cudagraph_capture_sizes not"),
     ({"compile_sizes": []}, "compile_sizes must"), ({"compile_sizes": [0]}, "compile_sizes must"),
-    ({"level": "3"}, "level must be 0 or 3"),
+    ({"level": "3"}, "level must be 0 or 3"), ({"backend": "tvm"}, "backend must be one of"),
 ])
 def test_parse_refuses_what_is_not_implemented_naming_the_flag(value, message):
     with pytest.raises(ConfigError, match="--compilation-config") as info:
@@ -34,6 +34,7 @@ def test_resolution_per_device():
     assert resolve_compilation(None, False, "cpu", 16) == CompilationConfig(0, ())  # fast start-up on CPU
     assert resolve_compilation(3, False, "cpu", 16) == CompilationConfig(3, (1,))
     assert resolve_compilation({"compile_sizes": [1, 8]}, False, "cpu", 16) == CompilationConfig(3, (1, 8))
+    assert resolve_compilation({"backend": "eager"}, False, "cpu", 16) == CompilationConfig(3, (1,), "eager")
     assert resolve_compilation(None, False, "cuda", 16) == CompilationConfig(3, ())  # CUDA graphs
     assert resolve_compilation(None, True, "cuda", 16) == CompilationConfig(0, ())
     assert resolve_compilation(0, True, "cpu", 16) == CompilationConfig(0, ())
