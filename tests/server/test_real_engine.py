@@ -183,12 +183,15 @@ def test_metrics_move_with_real_engine(client, real):
     )
 
 
-def test_cli_serves_and_exits_0_on_sigterm():
-    # uni: the server's default worker process is exercised by test_drain.py and test_engine_death.py
+def test_cli_serves_and_exits_0_on_sigterm(tmp_path):
+    # A tiny chat model and a thread executor keep this quick; the server's default worker process
+    # is exercised by test_drain.py and test_engine_death.py.
+    from tests.server.real_tiny_server import TINY_MAX_MODEL_LEN, build_tiny_chat_model
+
+    model = build_tiny_chat_model(tmp_path / "tiny")
     args = ["--host", "127.0.0.1", "--port", "0", "--disable-log-stats", "--disable-log-requests",
-            "--distributed-executor-backend", "uni"]
-    for k, v in ENGINE_ARGS.items():
-        args += ["--" + k.replace("_", "-"), str(v)]
+            "--distributed-executor-backend", "uni", "--model", model, "--dtype", "float32",
+            "--max-model-len", str(TINY_MAX_MODEL_LEN), "--num-gpu-blocks-override", "64"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "aserve.server.cli", *args],
         stderr=subprocess.PIPE,
