@@ -30,6 +30,7 @@ class CompiledDecode:
     def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], block_size: int,
                  kv_caches: list[torch.Tensor], backend: str = "inductor"):
         self.model = model
+        self.backend = model.backend  # the torch attention backend: owns the gather scratch
         self.sizes = frozenset(sizes)
         self.block_size = block_size
         self.kv_caches = kv_caches
@@ -40,10 +41,19 @@ class CompiledDecode:
         return (meta.num_decodes == meta.num_seqs == meta.num_tokens == num_rows and num_rows in self.sizes)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._call(input_ids, positions, decode_inputs(meta, self.block_size))
+        return self._call(input_ids, positions, decode_inputs(meta, self.block_size, self._buffers(meta)))
+
+    def _buffers(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's grow-only gather scratch, big enough for this step (fresh allocations of
+        this size page-fault on every call)."""
+        cache = self.kv_caches[0]
+        num_blocks = meta.num_decodes * -(-max(meta.seq_lens_cpu[:meta.num_decodes]) // self.block_size)
+        return self.backend.buffer_pair(cache.dtype, cache.device, num_blocks * cache[0, 0].numel())
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(inputs.block_ids, 0)
+        torch._dynamo.maybe_mark_dynamic(inputs.key_buffer, 0)  # grow-only scratch: new sizes over time
+        torch._dynamo.maybe_mark_dynamic(inputs.value_buffer, 0)
         if inputs.mask.dim() == 2:
             torch._dynamo.maybe_mark_dynamic(inputs.mask, 1)
         return self._compiled(input_ids, positions, inputs)
@@ -60,7 +70,9 @@ class CompiledDecode:
                     mask = (torch.ones((size, num_blocks * self.block_size), dtype=torch.bool, device=device)
                             if size > 1 else torch.empty(0, dtype=torch.bool, device=device))
                     slots = torch.arange(size, dtype=torch.int64, device=device) % self.block_size
-                    inputs = DecodeInputs(slots, block_ids, mask, lens[0].clone())
+                    scratch = self.backend.buffer_pair(self.kv_caches[0].dtype, device,
+                                                       block_ids.numel() * self.kv_caches[0][0, 0].numel())
+                    inputs = DecodeInputs(slots, block_ids, mask, lens[0].clone(), *scratch)
                     ids = torch.zeros(size, dtype=torch.int64, device=device)
                     self._call(ids, lens - 1, inputs)
             for cache in self.kv_caches:

@@ -49,6 +49,10 @@ class DecodeInputs:
     block_ids: torch.Tensor  # [B * blocks_per_seq] int64: the blocks to read, sequence by sequence
     mask: torch.Tensor  # [B, blocks_per_seq * block_size] bool; empty: one sequence, no mask needed
     decode_len: torch.Tensor  # 0-d int64: keys to read when `mask` is empty
+    # Flat scratch for the gathered keys / values (cache dtype), at least
+    # `block_ids.numel() * block_size * KVH * D` elements each, reused step after step.
+    key_buffer: torch.Tensor
+    value_buffer: torch.Tensor
     k_scale: float = 1.0
     v_scale: float = 1.0
 

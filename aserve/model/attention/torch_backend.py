@@ -69,7 +69,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         if isinstance(meta, DecodeInputs):
             return torch.ops.aserve.torch_paged_decode(q, k, v, kv_cache, meta.slots, meta.block_ids, meta.mask,
-                                                       meta.decode_len, scale, meta.k_scale, meta.v_scale)
+                                                       meta.decode_len, meta.key_buffer, meta.value_buffer,
+                                                       scale, meta.k_scale, meta.v_scale)
         block_size = kv_cache.shape[2]
         plan = self._plan if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
@@ -106,12 +107,12 @@ class TorchAttentionBackend:
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         numel = block_ids.shape[0] * kv_cache[0, 0].numel()
-        key_buf, value_buf = self._buffer_pair(kv_cache.dtype, kv_cache.device, numel)
+        key_buf, value_buf = self.buffer_pair(kv_cache.dtype, kv_cache.device, numel)
         keys = reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=key_buf)
         values = reference.gather_kv(kv_cache[1], block_ids, num_seqs, out=value_buf)
         return reference.dequantize(keys, dtype, meta.k_scale), reference.dequantize(values, dtype, meta.v_scale)
 
-    def _buffer_pair(self, dtype: torch.dtype, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffer_pair(self, dtype: torch.dtype, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat grow-only buffers (fresh allocations page-fault on every call; reuse is much faster)."""
         key = (dtype, device)
         pair = self._buffers.get(key)
@@ -162,25 +163,31 @@ def _plan_decodes(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tenso
     return block_ids, mask, decode_len
 
 
-def decode_inputs(meta: AttentionMetadata, block_size: int) -> DecodeInputs:
-    """`meta` (decodes only, no skipped slots) as the tensors a compiled decode takes."""
+def decode_inputs(meta: AttentionMetadata, block_size: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> DecodeInputs:
+    """`meta` (decodes only, no skipped slots) as the tensors a compiled decode takes; `buffers` are
+    the gather scratch (see DecodeInputs; `TorchAttentionBackend.buffer_pair` grows them)."""
     block_ids, mask, decode_len = _plan_decodes(meta, block_size)
     if mask is None:
         mask = torch.empty(0, dtype=torch.bool, device=block_ids.device)
     return DecodeInputs(meta.slot_mapping[:meta.num_tokens].to(torch.int64), block_ids, mask,
-                        torch.tensor(decode_len, dtype=torch.int64), meta.k_scale, meta.v_scale)
+                        torch.tensor(decode_len, dtype=torch.int64), buffers[0], buffers[1],
+                        meta.k_scale, meta.v_scale)
 
 
-@torch.library.custom_op("aserve::torch_paged_decode", mutates_args=("kv_cache",))
+@torch.library.custom_op("aserve::torch_paged_decode", mutates_args=("kv_cache", "key_buffer", "value_buffer"))
 def torch_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                        slots: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor, decode_len: torch.Tensor,
+                       key_buffer: torch.Tensor, value_buffer: torch.Tensor,
                        scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
     """Decode attention on `DecodeInputs` as one opaque op (a compiled graph calls it; its shapes and
-    values never reach the graph's guards): write k/v `[B, KVH, D]` at `slots`, attend q `[B, H, D]`."""
+    values never reach the graph's guards): write k/v `[B, KVH, D]` at `slots`, gather the context
+    into the scratch buffers, attend q `[B, H, D]`."""
     reference.reshape_and_cache(k, v, kv_cache, slots, k_scale, v_scale, all_valid=True)
     num_seqs = q.shape[0]
-    keys = reference.dequantize(reference.gather_kv(kv_cache[0], block_ids, num_seqs), q.dtype, k_scale)
-    values = reference.dequantize(reference.gather_kv(kv_cache[1], block_ids, num_seqs), q.dtype, v_scale)
+    keys = reference.dequantize(reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=key_buffer),
+                                q.dtype, k_scale)
+    values = reference.dequantize(reference.gather_kv(kv_cache[1], block_ids, num_seqs, out=value_buffer),
+                                  q.dtype, v_scale)
     if mask.numel() == 0:
         length = int(decode_len)
         return reference.attend_decode(q, keys[:, :length], values[:, :length], None, scale)
@@ -188,5 +195,5 @@ def torch_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
 
 
 @torch_paged_decode.register_fake
-def _(q, k, v, kv_cache, slots, block_ids, mask, decode_len, scale, k_scale, v_scale):
+def _(q, k, v, kv_cache, slots, block_ids, mask, decode_len, key_buffer, value_buffer, scale, k_scale, v_scale):
     return torch.empty_like(q)
