@@ -1,7 +1,7 @@
 """Structured outputs, tool calling and reasoning through the real server with the openai SDK.
 
-One real server per module on the bundled SmolLM2 (fp32, `--enable-auto-tool-choice --tool-call-parser
-hermes`): grammar-constrained chat and completions outputs validate (jsonschema, re.fullmatch, the
+One real server per module on the bundled SmolLM2 (dtype auto: bf16 where the CPU has it, which is
+what users get; `--enable-auto-tool-choice --tool-call-parser hermes`): grammar-constrained chat and completions outputs validate (jsonschema, re.fullmatch, the
 choice list), a spec that does not compile is a 400 naming its field, forced tool calls carry arguments
 that validate against the tool's schema and stream to the same call; LangChain's ChatOpenAI
 `with_structured_output` and `bind_tools` work against it (with no network: nothing may reach
@@ -80,7 +80,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server_url():
     args = quiet_args(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with serving("", args, max_model_len=1024, num_gpu_blocks_override=512, max_num_seqs=16) as (_, address):
+    with serving("", args, max_model_len=1024, num_gpu_blocks_override=512, max_num_seqs=16, dtype="auto") as (_, address):
         yield address.url
 
 
