@@ -1,7 +1,8 @@
 """The model runner: owns the model, the KV cache tensors and the sampler.
 
 `load_model()` -> `initialize_kv_cache()` (sizes the pool: CPU budget, GPU profiling, or the
-override) -> `capture_graphs()` (CUDA only) -> `execute(SchedulerOutput) -> RunnerOutput` per step.
+override) -> `capture_graphs()` (CUDA graphs; on CPU with -O3 the inductor-compiled decode) ->
+`execute(SchedulerOutput) -> RunnerOutput` per step.
 It never decides policy: it runs exactly what the scheduler emitted, and trusts its input (intake
 validated it).
 
