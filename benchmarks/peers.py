@@ -8,8 +8,7 @@ client) and the script prints one markdown table, the CPU model, the date and it
 
 Systems (`--systems`, comma-separated; default all): `aserve-bf16` (`aserve --dtype bfloat16`),
 `aserve-gguf` (`aserve --quantization gguf`: the bundled Q4_1 GGUF served natively), `aserve-gguf-O3`
-(the same with `-O3`: an inductor-compiled decode for batch size 1; its start-up includes compiling,
-which inductor's on-disk cache shortens after the first run), `llama-bf16`
+(the same with `-O3`; its start-up includes compiling), `llama-bf16`
 (llama-server on the bf16 GGUF made by `--make-bf16-gguf`), `llama-q4_1` (llama-server on the bundled
 GGUF file as-is) and `transformers` (`transformers serve --continuous-batching` on the HF folder). A
 system that cannot run here (no binary, no file, no `transformers[serving]` extras) gets a row
@@ -18,9 +17,8 @@ GGUF file of the other rows follow from it.
 
 Each pass (one per `--concurrency` value, with the matching `--num-prompts`) runs against a freshly
 started server on a free port, so no pass is served from a cache an earlier pass filled: start the
-server, time it to ready (GET /health 200; transformers serve answers /v1/models with a 500 when the hub cache folder is missing, so /health there too), send `--warmup`
-short requests on other prompts, run the measured pass, stop the server (SIGTERM to its process
-group, SIGKILL after --stop-grace s). Server logs go to --log-dir. EOS is honoured by default:
+server, time it to ready (GET /health 200), send `--warmup` short requests on other prompts, run
+the measured pass, stop the server (SIGTERM to its process group, SIGKILL after --stop-grace s). Server logs go to --log-dir. EOS is honoured by default:
 llama.cpp's OpenAI endpoint does not honour `ignore_eos`, so `--ignore-eos` makes the rows unequal.
 
 `--make-bf16-gguf` converts the HF folder with llama.cpp's `convert_hf_to_gguf.py --outtype bf16`
@@ -68,7 +66,6 @@ class System:
     name: str
     weights: str
     argv: list[str]  # without --host/--port, which every launch appends
-    ready_path: str
     model: str = ""  # model name in requests ("" = the first from GET /v1/models)
     skipped: str = ""  # non-empty: cannot run here, and why
 
@@ -160,22 +157,18 @@ def plan_systems(args: argparse.Namespace, hf_folder: str, gguf_file: str, why: 
     aserve_extra, llama_extra = shlex.split(args.aserve_args), shlex.split(args.llama_args)
     tf_extra = shlex.split(args.transformers_args)
     gguf_name = os.path.basename(gguf_file) if gguf_file else "GGUF"
+    gguf_skip, asv = aserve_why or gguf_why, [aserve, *model_args]
     candidates = [
-        System("aserve-bf16", "aserve", "bf16", [aserve, *model_args, "--dtype", "bfloat16", *aserve_extra],
-               "/health", skipped=aserve_why),
-        System("aserve-gguf", "aserve", gguf_name,
-               [aserve, *model_args, "--quantization", "gguf", *aserve_extra],
-               "/health", skipped=aserve_why or gguf_why),
-        System("aserve-gguf-O3", "aserve -O3", gguf_name,
-               [aserve, *model_args, "--quantization", "gguf", "-O3", *aserve_extra],
-               "/health", skipped=aserve_why or gguf_why),
+        System("aserve-bf16", "aserve", "bf16", [*asv, "--dtype", "bfloat16", *aserve_extra], skipped=aserve_why),
+        System("aserve-gguf", "aserve", gguf_name, [*asv, "--quantization", "gguf", *aserve_extra], skipped=gguf_skip),
+        System("aserve-gguf-O3", "aserve -O3", gguf_name, [*asv, "--quantization", "gguf", "-O3", *aserve_extra],
+               skipped=gguf_skip),
         System("llama-bf16", "llama.cpp", "bf16 GGUF", [llama, "-m", bf16_gguf, *llama_extra],
-               "/health", skipped=llama_why or bf16_why),
+               skipped=llama_why or bf16_why),
         System("llama-q4_1", "llama.cpp", gguf_name, [llama, "-m", gguf_file, *llama_extra],
-               "/health", skipped=llama_why or gguf_why),
+               skipped=llama_why or gguf_why),
         System("transformers", "transformers serve", f"HF folder ({' '.join(tf_extra) or 'dtype auto'})",
-               [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], "/health", model=hf_folder,
-               skipped=tf_why),
+               [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], model=hf_folder, skipped=tf_why),
     ]
     return [s for s in candidates if s.key in args.systems]
 
@@ -245,7 +238,9 @@ def run_pass(system: System, args: argparse.Namespace, concurrency: int, num_pro
         proc = subprocess.Popen(shlex.split(row["command"]), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        row["startup_s"] = wait_ready(proc, base_url + system.ready_path, started, args.startup_timeout)
+        # every server answers GET /health 200 once ready (transformers serve's /v1/models answers
+        # 500 when the hub cache folder does not exist)
+        row["startup_s"] = wait_ready(proc, base_url + "/health", started, args.startup_timeout)
         if args.warmup:
             asyncio.run(serving.run(load_args(args, base_url, system.model, 1, args.warmup,
                                               args.seed + 1_000_003, min(8, args.max_tokens))))

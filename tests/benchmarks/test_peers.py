@@ -121,7 +121,7 @@ def test_a_model_that_is_not_gguf_skips_only_the_gguf_rows(monkeypatch):
 
 
 def test_a_server_that_exits_early_gives_a_failed_row(tmp_path):
-    system = peers.System("crash", "crash", "none", [sys.executable, "-c", "raise SystemExit(3)"], "/health")
+    system = peers.System("crash", "crash", "none", [sys.executable, "-c", "raise SystemExit(3)"])
     args = peers.parse_args(["--startup-timeout", "60"])
     row = peers.run_pass(system, args, 1, 2, str(tmp_path))
     assert "exited with code 3" in row["failed"] and "report" not in row
