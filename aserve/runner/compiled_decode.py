@@ -27,28 +27,21 @@ logger = logging.getLogger(__name__)
 class CompiledDecode:
     """`can_run(meta, num_rows)` then `run(input_ids, positions, meta)`; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], block_size: int,
-                 kv_caches: list[torch.Tensor], backend: str = "inductor"):
+    def __init__(self, model: torch.nn.Module, sizes: tuple[int, ...], kv_caches: list[torch.Tensor],
+                 compile_backend: str = "inductor"):
         self.model = model
         self.backend = model.backend  # the torch attention backend: owns the gather scratch
         self.sizes = frozenset(sizes)
-        self.block_size = block_size
         self.kv_caches = kv_caches
-        self._compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
+        self.block_size = kv_caches[0].shape[2]
+        self._compiled = torch.compile(model, backend=compile_backend, dynamic=False, fullgraph=True)
 
     def can_run(self, meta: AttentionMetadata, num_rows: int) -> bool:
         """Decodes only, exactly a compiled size, no padding rows and no skipped slots."""
         return (meta.num_decodes == meta.num_seqs == meta.num_tokens == num_rows and num_rows in self.sizes)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._call(input_ids, positions, decode_inputs(meta, self.block_size, self._buffers(meta)))
-
-    def _buffers(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The backend's grow-only gather scratch, big enough for this step (fresh allocations of
-        this size page-fault on every call)."""
-        cache = self.kv_caches[0]
-        num_blocks = meta.num_decodes * -(-max(meta.seq_lens_cpu[:meta.num_decodes]) // self.block_size)
-        return self.backend.buffer_pair(cache.dtype, cache.device, num_blocks * cache[0, 0].numel())
+        return self._call(input_ids, positions, decode_inputs(meta, self.kv_caches[0], self.backend))
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(inputs.block_ids, 0)

@@ -159,8 +159,7 @@ class ModelRunner:
         if self.device.type == "cpu" and sizes:
             if not getattr(self.backend, "supports_decode_inputs", False):
                 raise ValueError(f"-O3 on CPU needs the torch attention backend, not {self.backend.name}")
-            self.compiled_decode = CompiledDecode(self.model, sizes, self.block_size, self.kv_caches,
-                                                  self.config.runner.compile_backend)
+            self.compiled_decode = CompiledDecode(self.model, sizes, self.kv_caches, self.config.runner.compile_backend)
             seconds = self.compiled_decode.warm_up()
             logger.info("Compiled the CPU decode forward (inductor) for batch sizes %s in %.1fs", list(sizes), seconds)
             return

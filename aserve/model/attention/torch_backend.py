@@ -40,8 +40,8 @@ class TorchAttentionBackend:
 
     Shapes come from the metadata's host lists, so it never syncs with the device except to check
     for skipped (-1) slots once per step. A compiled decode passes `DecodeInputs` instead of the
-    metadata; those steps run as one opaque op per layer (`torch_paged_decode`). Gathered K/V go into grow-only buffers reused by every
-    layer. Call `begin_forward(meta)` once per model forward to share the per-step plan (block
+    metadata; those steps run as one opaque op per layer (`torch_paged_decode`). Gathered K/V go
+    into grow-only buffers reused by every layer. Call `begin_forward(meta)` once per model forward to share the per-step plan (block
     indices, masks) across layers; without it each call plans on its own.
     """
 
@@ -99,10 +99,10 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         assert plan.decode_block_ids is not None
-        keys, values = self._gather(kv_cache, plan.decode_block_ids, q.shape[0], q.dtype, meta)
-        if plan.decode_mask is None:
-            keys, values = keys[:, :plan.decode_len], values[:, :plan.decode_len]
-        return reference.attend_decode(q, keys, values, plan.decode_mask, scale)
+        numel = plan.decode_block_ids.shape[0] * kv_cache[0, 0].numel()
+        buffers = self.buffer_pair(kv_cache.dtype, kv_cache.device, numel)
+        return _attend_decodes(q, kv_cache, plan.decode_block_ids, plan.decode_mask, plan.decode_len, buffers,
+                               scale, meta.k_scale, meta.v_scale)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,10 +163,11 @@ def _plan_decodes(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tenso
     return block_ids, mask, decode_len
 
 
-def decode_inputs(meta: AttentionMetadata, block_size: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> DecodeInputs:
-    """`meta` (decodes only, no skipped slots) as the tensors a compiled decode takes; `buffers` are
-    the gather scratch (see DecodeInputs; `TorchAttentionBackend.buffer_pair` grows them)."""
-    block_ids, mask, decode_len = _plan_decodes(meta, block_size)
+def decode_inputs(meta: AttentionMetadata, kv_cache: torch.Tensor, backend: TorchAttentionBackend) -> DecodeInputs:
+    """`meta` (decodes only, no skipped slots) as the tensors a compiled decode takes, over caches
+    shaped like `kv_cache`, with `backend`'s grow-only gather scratch."""
+    block_ids, mask, decode_len = _plan_decodes(meta, kv_cache.shape[2])
+    buffers = backend.buffer_pair(kv_cache.dtype, kv_cache.device, block_ids.shape[0] * kv_cache[0, 0].numel())
     if mask is None:
         mask = torch.empty(0, dtype=torch.bool, device=block_ids.device)
     return DecodeInputs(meta.slot_mapping[:meta.num_tokens].to(torch.int64), block_ids, mask,
@@ -183,14 +184,21 @@ def torch_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
     values never reach the graph's guards): write k/v `[B, KVH, D]` at `slots`, gather the context
     into the scratch buffers, attend q `[B, H, D]`."""
     reference.reshape_and_cache(k, v, kv_cache, slots, k_scale, v_scale, all_valid=True)
+    return _attend_decodes(q, kv_cache, block_ids, mask if mask.numel() else None, int(decode_len),
+                           (key_buffer, value_buffer), scale, k_scale, v_scale)
+
+
+def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor | None,
+                    decode_len: int, buffers: tuple[torch.Tensor, torch.Tensor], scale: float, k_scale: float,
+                    v_scale: float) -> torch.Tensor:
+    """Gather the decodes' blocks into `buffers`, then attend (no mask: the first `decode_len` keys)."""
     num_seqs = q.shape[0]
-    keys = reference.dequantize(reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=key_buffer),
+    keys = reference.dequantize(reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=buffers[0]),
                                 q.dtype, k_scale)
-    values = reference.dequantize(reference.gather_kv(kv_cache[1], block_ids, num_seqs, out=value_buffer),
+    values = reference.dequantize(reference.gather_kv(kv_cache[1], block_ids, num_seqs, out=buffers[1]),
                                   q.dtype, v_scale)
-    if mask.numel() == 0:
-        length = int(decode_len)
-        return reference.attend_decode(q, keys[:, :length], values[:, :length], None, scale)
+    if mask is None:
+        keys, values = keys[:, :decode_len], values[:, :decode_len]
     return reference.attend_decode(q, keys, values, mask, scale)
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.model.layers.linear import _copy_checked
+from aserve.model.quantization.cpu_packed import pack_weight, packed_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -42,14 +43,10 @@ class LMHead(nn.Module):
     def pack_for_cpu(self) -> None:
         """After loading: multiply by a oneDNN-packed copy of the weight (aserve/model/quantization/
         cpu_packed.py; a tied head keeps the embedding's weight for lookups, so this is a copy)."""
-        from aserve.model.quantization.cpu_packed import pack_weight
-
         self.packed_weight = pack_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            from aserve.model.quantization.cpu_packed import packed_linear
-
             return packed_linear(hidden, self.packed_weight, None).float()
         return F.linear(hidden, self.weight).float()
 
