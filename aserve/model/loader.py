@@ -79,9 +79,9 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
             init_dummy_weights(model, config.model.seed)
         else:
             model.load_weights(iterate_weights(config.model.model_path, load_format))
-    assign.use_cpu_packed_linears(model)
+    assign.use_cpu_linear_forms(model)
     counts = assign.process_weights_after_loading(model)
-    if quantization is not None or "cpu_packed_bf16" in counts:
+    if quantization is not None or counts.keys() - {"unquantized"}:
         logger.info("Linear methods: %s; activations %s (CPU capability %s)",
                     ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())), config.model.dtype,
                     torch.backends.cpu.get_cpu_capability())

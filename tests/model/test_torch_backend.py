@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from aserve.model.attention.base import AttentionMetadata
@@ -56,19 +57,24 @@ def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=
     return cache, meta, k, v, full_k, full_v
 
 
-def _check(q_lens, contexts, block_size=16, num_heads=6, num_kv_heads=2, num_pad=0, sliding_window=None):
+def _check(q_lens, contexts, block_size=16, num_heads=6, num_kv_heads=2, num_pad=0, sliding_window=None,
+           dtype=torch.float32, backend=None):
     head_dim = 16
     cache, meta, k, v, full_k, full_v = _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad,
                                               seed=block_size, sliding_window=sliding_window)
     q = torch.randn(meta.num_tokens + num_pad, num_heads, head_dim)
+    if dtype != torch.float32:  # the reference sees the same rounded values
+        cache, q, k, v = (t.to(dtype) for t in (cache, q, k, v))
+        full_k, full_v = [t.to(dtype).float() for t in full_k], [t.to(dtype).float() for t in full_v]
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     before = cache.clone()
-    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.25)
-    assert out.shape == q.shape
+    out = (backend or TorchAttentionBackend()).forward(q, k, v, cache, meta, scale=0.25)
+    assert out.shape == q.shape and out.dtype == dtype
     starts = meta.query_start_loc_cpu
     for i, n in enumerate(meta.seq_lens_cpu):
         q_pos = torch.arange(n - q_lens[i], n)
-        want = naive_attention(q[starts[i]:starts[i + 1]], full_k[i], full_v[i], q_pos, 0.25, sliding_window)
-        torch.testing.assert_close(out[starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
+        want = naive_attention(q[starts[i]:starts[i + 1]].float(), full_k[i], full_v[i], q_pos, 0.25, sliding_window)
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]].float(), want, **tolerance)
     if num_pad:
         assert out[meta.num_tokens:].abs().sum() == 0
     changed = (cache != before).flatten(3).any(-1)  # [2, blocks, block_size]
@@ -91,6 +97,22 @@ def test_padded_batch_leaves_padding_rows_zero():
 
 def test_sliding_window_in_decode_and_extend():
     _check(q_lens=[1, 1, 6, 30], contexts=[40, 3, 20, 0], sliding_window=7, block_size=8)
+
+
+@pytest.mark.parametrize("c_kernel", [True, False])
+@pytest.mark.parametrize("case", [
+    {"q_lens": [1, 1, 1, 9, 20, 5], "contexts": [40, 3, 16, 23, 0, 0]},  # decodes attend in the kernel
+    {"q_lens": [1, 1, 1, 1], "contexts": [0, 70, 31, 8], "block_size": 8},  # the kernel also writes K/V
+    {"q_lens": [1, 1, 7], "contexts": [10, 5, 0], "num_pad": 5},
+    {"q_lens": [1, 1, 6, 30], "contexts": [40, 3, 20, 0], "sliding_window": 7, "block_size": 8},
+])
+def test_bf16_cache_with_and_without_the_c_decode_kernel(case, c_kernel):
+    backend = TorchAttentionBackend()
+    if c_kernel and backend._kernels is None:
+        pytest.skip("the C kernels cannot be built here")
+    if not c_kernel:
+        backend._kernels = None
+    _check(**case, dtype=torch.bfloat16, backend=backend)
 
 
 def test_step_plan_is_shared_by_layers_and_rebuilt_for_each_forward():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aserve.kernels import reference
+from aserve.kernels import cpu_ops, reference
 from aserve.model.attention.base import AttentionMetadata, DecodeInputs
 
 
@@ -36,7 +36,9 @@ class _StepPlan:
 
 class TorchAttentionBackend:
     """Writes K/V with `reshape_and_cache`, then runs all decodes as one batched masked SDPA and each
-    prefill/extend sequence as its own (offset-)causal SDPA.
+    prefill/extend sequence as its own (offset-)causal SDPA. With a bf16 cache on the CPU, where the
+    C kernels are built (`aserve.kernels.cpu_ops`), decodes instead attend in one kernel call that
+    reads the blocks in place (a decode-only step also writes its K/V there).
 
     Shapes come from the metadata's host lists, so it never syncs with the device except to check
     for skipped (-1) slots once per step. A compiled decode passes `DecodeInputs` instead of the
@@ -49,6 +51,7 @@ class TorchAttentionBackend:
     supports_decode_inputs = True  # a compiled decode may pass DecodeInputs (see decode_inputs)
 
     def __init__(self) -> None:
+        self._kernels = cpu_ops.load()  # C decode attention for bf16 CPU caches (None: torch only)
         self._step_meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
         self._buffers: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -71,13 +74,18 @@ class TorchAttentionBackend:
             return torch.ops.aserve.torch_paged_decode(q, k, v, kv_cache, meta.slots, meta.block_ids, meta.mask,
                                                        meta.decode_len, meta.key_buffer, meta.value_buffer,
                                                        scale, meta.k_scale, meta.v_scale)
+        kernels = self._kernels
+        use_kernel = kernels is not None and meta.num_decodes > 0 and kernels.accepts(q, kv_cache)
+        num_tokens = meta.num_tokens
+        if use_kernel and meta.num_decodes == meta.num_seqs == q.shape[0]:  # decodes only, no padding
+            return kernels.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                                  meta.sliding_window, (k, v, meta.slot_mapping))
         block_size = kv_cache.shape[2]
         plan = self._plan if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
             plan = _make_plan(meta, block_size, q.device)
             if meta is self._step_meta:
                 self._plan = plan
-        num_tokens = meta.num_tokens
         if plan.valid_rows is None:
             k, v = k[:num_tokens], v[:num_tokens]
         else:
@@ -88,7 +96,10 @@ class TorchAttentionBackend:
         if num_decodes == q.shape[0] and not plan.prefills:  # decodes only, no padding rows
             return self._decode(q, kv_cache, plan, meta, scale)
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
-        if num_decodes:
+        if num_decodes and use_kernel:
+            out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables,
+                                                               meta.seq_lens, scale, meta.sliding_window)
+        elif num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale)
         for seq in plan.prefills:
             keys, values = self._gather(kv_cache, seq.block_ids, 1, q.dtype, meta)

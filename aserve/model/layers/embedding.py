@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.model.layers.linear import _copy_checked
+from aserve.kernels.cpu_ops import CpuKernels
+from aserve.model.quantization.cpu_kernel import kernel_rows
 from aserve.model.quantization.cpu_packed import pack_weight, packed_linear
 
 
@@ -39,13 +41,22 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
 
         self.packed_weight: torch.Tensor | None = None  # the CPU form, from `pack_for_cpu`
+        self.cpu_kernels: CpuKernels | None = None  # set by `use_cpu_kernel`
 
     def pack_for_cpu(self) -> None:
         """After loading: multiply by a oneDNN-packed copy of the weight (aserve/model/quantization/
         cpu_packed.py; a tied head keeps the embedding's weight for lookups, so this is a copy)."""
         self.packed_weight = pack_weight(self.weight.data)
 
+    def use_cpu_kernel(self, kernels: CpuKernels) -> None:
+        """After loading: decode-sized batches multiply in aserve's C kernel (aserve/model/quantization/
+        cpu_kernel.py), straight into float32 logits (no bf16 rounding of the logits)."""
+        self.cpu_kernels = kernels
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        kernels = self.cpu_kernels
+        if kernels is not None and kernel_rows(kernels, hidden):
+            return kernels.linear(hidden, self.weight, None, torch.float32)
         if self.packed_weight is not None:
             return packed_linear(hidden, self.packed_weight, None).float()
         return F.linear(hidden, self.weight).float()

@@ -14,7 +14,8 @@ class RMSNorm(CustomOp):
     """`forward(x)` -> normed; `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
 
     Native: Hugging Face's order (normalize in fp32, round to x's dtype, then scale by the weight).
-    CPU: torch's one-kernel `F.rms_norm` (fp32 inside, one rounding at the end): identical in fp32,
+    CPU: for bf16 rows the C kernel (`cpu_ops.rms_norm`, the residual add and the norm in one call),
+    else torch's `F.rms_norm`; both fp32 inside with one rounding at the end: identical in fp32,
     within one bf16 rounding of the native form in bf16.
     """
 
@@ -31,6 +32,9 @@ class RMSNorm(CustomOp):
     def forward_cpu(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernels = self.cpu_kernels
+        if kernels is not None and x.dim() == 2 and kernels.accepts(x):
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         summed = x + residual

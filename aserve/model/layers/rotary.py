@@ -22,9 +22,10 @@ class RotaryEmbedding(CustomOp):
     """`cos_sin(positions [T]) -> [T, rotary_dim]` once per forward, then per layer
     `forward(cos_sin, q [T, H, D], k [T, KVH, D])` -> rotated `(q, k)` (new tensors).
 
-    Native: `aserve.kernels.reference`'s rotation. CPU, for 16-bit activations in neox style: two
-    multiplies and two fused multiply-adds per tensor, written into one output (the fused add rounds
-    once instead of twice, so fp32 keeps the native form, which Hugging Face parity relies on).
+    Native: `aserve.kernels.reference`'s rotation. CPU, for bf16 in neox style: the C kernel
+    (`cpu_ops.rotary_neox`, fp32 inside, one rounding per output); without it, for 16-bit
+    activations, two multiplies and two fused multiply-adds per tensor into one output. fp32 keeps
+    the native form, which Hugging Face parity relies on.
     """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
@@ -54,6 +55,9 @@ class RotaryEmbedding(CustomOp):
         return reference.rotate(q, cos, sin, self.is_neox), reference.rotate(k, cos, sin, self.is_neox)
 
     def forward_cpu(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kernels = self.cpu_kernels
+        if kernels is not None and self.is_neox and kernels.accepts(q, k, cos_sin):
+            return kernels.rotary_neox(q, k, cos_sin)
         if (not self.is_neox or q.dtype == torch.float32 or cos_sin.dtype != q.dtype
                 or torch.compiler.is_compiling()):  # inductor fuses the native form; `out=` views break its graph
             return self.forward_native(cos_sin, q, k)

@@ -14,8 +14,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from aserve.kernels import cpu_ops
 from aserve.model.layers.linear import Linear
 from aserve.model.quantization.base import LinearMethodBase
+from aserve.model.quantization.cpu_kernel import CpuKernelLinearMethod
 from aserve.model.quantization.cpu_packed import CpuPackedLinearMethod, cpu_packing_supported
 from aserve.model.quantization.gguf import GGUF_INT4_SUFFIXES, GGUFInt4Method
 from aserve.model.quantization.gguf_reader import GGUF_GROUP_SIZE, NATIVE_INT4_TYPES, GGUFLinearWeights
@@ -85,21 +87,30 @@ def check_gguf_decoding(gguf: GGUFLinearWeights, prefix: str, reference: torch.T
                          "copy (unsupported layout); drop --quantization to serve it dequantized")
 
 
-def use_cpu_packed_linears(model: nn.Module) -> int:
-    """After loading, on CPUs where it applies (`cpu_packing_supported`): the float Linear layers
-    and the LM head multiply by oneDNN-packed weights. Returns how many Linear layers switched."""
+def use_cpu_linear_forms(model: nn.Module) -> int:
+    """After loading, for bf16 models on CPU: the float Linear layers and the LM head multiply in aserve's
+    C kernel where it has native bf16 dot products (`cpu_kernel.py`), else by oneDNN-packed weights where
+    oneDNN has bf16 kernels (`cpu_packed.py`); nothing changes otherwise. Returns how many Linear layers
+    switched."""
     dtype = getattr(model, "dtype", None)
     head = getattr(model, "lm_head", None)
     device = head.weight.device if head is not None else next(model.parameters()).device
     if dtype is None or not cpu_packing_supported(dtype, device):
         return 0
+    kernels = cpu_ops.load()
+    if kernels is not None and not kernels.native_bf16_dot:
+        kernels = None
+    method: LinearMethodBase = CpuKernelLinearMethod(kernels) if kernels is not None else CpuPackedLinearMethod()
     count = 0
     for _, layer in linear_layers(model):
         if type(layer.quant_method) is UnquantizedLinearMethod:
-            layer.quant_method = CpuPackedLinearMethod()
+            layer.quant_method = method
             count += 1
     if head is not None:
-        head.pack_for_cpu()
+        if kernels is not None:
+            head.use_cpu_kernel(kernels)
+        else:
+            head.pack_for_cpu()
     return count
 
 

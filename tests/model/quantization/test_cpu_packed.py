@@ -1,5 +1,6 @@
-"""oneDNN-packed bf16 Linear weights and LM head on CPU (`aserve/model/quantization/cpu_packed.py`):
-bit-identical to `F.linear`, given to float layers only, and switched off by ASERVE_FORCE_NATIVE_OPS."""
+"""oneDNN-packed bf16 Linear weights and LM head on CPU (`aserve/model/quantization/cpu_packed.py`, the
+form where aserve's C kernel has no native bf16 dot product): bit-identical to `F.linear`; the loader's
+CPU forms go to float layers only and are switched off by ASERVE_FORCE_NATIVE_OPS."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from aserve.model.layers.custom_op import FORCE_NATIVE_ENV
 from aserve.model.layers.embedding import LMHead
 from aserve.model.layers.linear import Linear, MergedLinear
-from aserve.model.quantization.assign import use_cpu_packed_linears
+from aserve.model.quantization.assign import linear_layers, use_cpu_linear_forms
 from aserve.model.quantization.cpu_packed import CpuPackedLinearMethod, cpu_packing_supported
 from aserve.model.quantization.int8 import Int8WeightOnlyMethod
 
@@ -37,10 +38,9 @@ def test_packed_layers_give_f_linears_exact_results_for_any_row_count():
     model = _TinyModel()
     weights = {n: (m.weight.detach().clone(), m.bias) for n, m in (("qkv", model.qkv), ("down", model.down))}
     head_weight = model.lm_head.weight.detach().clone()
-    assert use_cpu_packed_linears(model) == 2  # the two float Linears; the int8 layer keeps its method
-    assert isinstance(model.int8.quant_method, Int8WeightOnlyMethod)
+    model.lm_head.pack_for_cpu()
     for layer in (model.qkv, model.down):
-        assert isinstance(layer.quant_method, CpuPackedLinearMethod)
+        layer.quant_method = CpuPackedLinearMethod()
         layer.process_weights_after_loading()
         assert not hasattr(layer, "weight") or layer.weight is None  # the float copy is dropped
     for rows in (1, 5, 16):
@@ -52,9 +52,18 @@ def test_packed_layers_give_f_linears_exact_results_for_any_row_count():
         assert torch.equal(model.down(x2), F.linear(x2, weights["down"][0]))
 
 
+def test_cpu_forms_go_to_float_layers_only():
+    model = _TinyModel()
+    assert use_cpu_linear_forms(model) == 2  # the two float Linears; the int8 layer keeps its method
+    assert isinstance(model.int8.quant_method, Int8WeightOnlyMethod)
+    methods = {type(layer.quant_method) for name, layer in linear_layers(model) if name != "int8"}
+    assert len(methods) == 1 and methods != {type(model.int8.quant_method)}
+    assert (model.lm_head.packed_weight is not None) != (model.lm_head.cpu_kernels is not None)
+
+
 def test_force_native_and_fp32_keep_f_linear(monkeypatch):
     assert not cpu_packing_supported(torch.float32, "cpu")
     monkeypatch.setenv(FORCE_NATIVE_ENV, "1")
     model = _TinyModel()
-    assert use_cpu_packed_linears(model) == 0
-    assert model.lm_head.packed_weight is None
+    assert use_cpu_linear_forms(model) == 0
+    assert model.lm_head.packed_weight is None and model.lm_head.cpu_kernels is None

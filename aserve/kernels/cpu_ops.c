@@ -1,0 +1,377 @@
+
+/* aserve's CPU kernels for 16-bit (bfloat16) activations: the decode step's small ops in one call each.
+ *
+ * Built at first use by aserve/kernels/cpu_ops.py (`cc -O3 -march=native -fopenmp -shared`), loaded with
+ * ctypes; the Python side checks shapes, dtypes and contiguity, so these functions trust their input.
+ * Arithmetic is fp32 inside with one rounding to bf16 per output (round to nearest even, as torch).
+ * OpenMP here shares torch's runtime (the .so is loaded after torch's libgomp), so it uses torch's
+ * thread count and pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+#if defined(__AVX512F__)
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+static inline float bf16_to_f32(bf16 h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* exp(x): Cody-Waite range reduction and a degree-6 polynomial, within ~2 ulp of expf for
+ * x in [-87, 88] (0 below, inf above); plain arithmetic, so the loops that call it vectorize. */
+static inline float fast_exp(float x) {
+    if (x < -87.0f) return 0.0f;
+    if (x > 88.0f) return INFINITY;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* out[r] = bf16(s * rsqrt(mean(s^2) + eps) * w) with s = x[r] (+ residual[r], rounded to bf16 and
+ * stored in sum_out[r]); as torch's bf16 `x + residual` followed by `F.rms_norm`. residual may be NULL
+ * (then sum_out is unused). Row strides in elements; out and sum_out are contiguous [rows, n]. */
+void add_rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *residual, int64_t res_stride,
+                       const bf16 *weight, bf16 *out, bf16 *sum_out, int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * x_stride;
+        bf16 *orow = out + r * n;
+        float ss = 0.0f;
+        if (residual) {
+            const bf16 *rr = residual + r * res_stride;
+            bf16 *sr = sum_out + r * n;
+            for (int64_t i = 0; i < n; i++) sr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+            xr = sr;
+        }
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) {
+            float v = bf16_to_f32(xr[i]);
+            ss += v * v;
+        }
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
+    }
+}
+
+/* Neox-style rotary embedding of one token's heads: x [heads, head_dim] (row stride head_dim ... given as
+ * `head_stride`), rotating the first 2*half dims with cos/sin [half] each, copying the rest. */
+static inline void rotate_heads(const bf16 *x, int64_t head_stride, bf16 *out, int64_t heads, int64_t head_dim,
+                                const float *cos, const float *sin, int64_t half) {
+    for (int64_t h = 0; h < heads; h++) {
+        const bf16 *xh = x + h * head_stride;
+        bf16 *oh = out + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            float a = bf16_to_f32(xh[i]), b = bf16_to_f32(xh[i + half]);
+            oh[i] = f32_to_bf16(a * cos[i] - b * sin[i]);
+            oh[i + half] = f32_to_bf16(b * cos[i] + a * sin[i]);
+        }
+        for (int64_t i = 2 * half; i < head_dim; i++) oh[i] = xh[i];
+    }
+}
+
+/* q [T, Hq, D] and k [T, Hk, D] (heads contiguous within a token, token stride q_stride / k_stride in
+ * elements) rotated neox-style into contiguous q_out [T, Hq, D] / k_out [T, Hk, D]; cos_sin [T, 2*half]
+ * (contiguous, bf16: cos then sin). */
+void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *cos_sin,
+                      bf16 *q_out, bf16 *k_out, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                      int64_t head_dim, int64_t half) {
+#pragma omp parallel for schedule(static) if (tokens > 8)
+    for (int64_t t = 0; t < tokens; t++) {
+        float cos[half], sin[half];
+        const bf16 *cs = cos_sin + t * 2 * half;
+        for (int64_t i = 0; i < half; i++) {
+            cos[i] = bf16_to_f32(cs[i]);
+            sin[i] = bf16_to_f32(cs[half + i]);
+        }
+        rotate_heads(q + t * q_stride, head_dim, q_out + t * q_heads * head_dim, q_heads, head_dim, cos, sin, half);
+        rotate_heads(k + t * k_stride, head_dim, k_out + t * k_heads * head_dim, k_heads, head_dim, cos, sin, half);
+    }
+}
+
+/* out [rows, n] = bf16(silu(x[r, :n]) * x[r, n:2n]), x with row stride x_stride. */
+void silu_and_mul_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *g = x + r * x_stride, *u = g + n;
+        bf16 *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            float a = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-a)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+#define KEY_CHUNK 64
+#define MAX_GROUP 16
+
+/* One (sequence, KV head) of paged decode attention: the G query heads that share KV head g. D is a
+ * compile-time constant where this is inlined for a common head size (the inner loops unroll). */
+static inline __attribute__((always_inline)) void attend_kv_head(
+    const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, int64_t start,
+    int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale) {
+    float qf[MAX_GROUP * D], acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][KEY_CHUNK], kv[D];
+    for (int64_t h = 0; h < G; h++) {
+        for (int64_t i = 0; i < D; i++) {
+            qf[h * D + i] = bf16_to_f32(q[h * D + i]) * scale;
+            acc[h * D + i] = 0.0f;
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    for (int64_t c0 = start; c0 < len; c0 += KEY_CHUNK) {
+        const int64_t n = (len - c0) < KEY_CHUNK ? (len - c0) : KEY_CHUNK;
+        int64_t slot[KEY_CHUNK]; /* cache slot of each key in the chunk (no division per key) */
+        for (int64_t j = 0, block = c0 / block_size, offset = c0 % block_size; j < n; j++) {
+            slot[j] = (int64_t)table[block] * block_size + offset;
+            if (++offset == block_size) {
+                offset = 0;
+                block++;
+            }
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const bf16 *kr = k_cache + slot[j] * row + g * D;
+#if defined(__AVX512F__)
+            if (D % 16 == 0) { /* one 16-lane partial sum per head, reduced once (no per-element chain) */
+                for (int64_t h = 0; h < G; h++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < D; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + i), load16_bf16(kr + i), a);
+                    s[h][j] = _mm512_reduce_add_ps(a);
+                }
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < D; i++) kv[i] = bf16_to_f32(kr[i]);
+            for (int64_t h = 0; h < G; h++) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++) dot += qf[h * D + i] * kv[i];
+                s[h][j] = dot;
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            float mx = m[h];
+            for (int64_t j = 0; j < n; j++) mx = s[h][j] > mx ? s[h][j] : mx;
+            const float corr = fast_exp(m[h] - mx); /* 0 on the first chunk (m = -inf) */
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) {
+                s[h][j] = fast_exp(s[h][j] - mx);
+                sum += s[h][j];
+            }
+            l[h] = l[h] * corr + sum;
+            m[h] = mx;
+            for (int64_t i = 0; i < D; i++) acc[h * D + i] *= corr;
+        }
+#if defined(__AVX512F__)
+        if (D % 64 == 0) { /* values converted once per chunk, then 4 register accumulators per head */
+            float vbuf[KEY_CHUNK * D];
+            for (int64_t j = 0; j < n; j++) {
+                const bf16 *vr = v_cache + slot[j] * row + g * D;
+                for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(vbuf + j * D + i, load16_bf16(vr + i));
+            }
+            for (int64_t h = 0; h < G; h++) {
+                for (int64_t i = 0; i < D; i += 64) {
+                    float *ah = acc + h * D + i;
+                    __m512 a0 = _mm512_loadu_ps(ah), a1 = _mm512_loadu_ps(ah + 16);
+                    __m512 a2 = _mm512_loadu_ps(ah + 32), a3 = _mm512_loadu_ps(ah + 48);
+                    for (int64_t j = 0; j < n; j++) {
+                        const __m512 p = _mm512_set1_ps(s[h][j]);
+                        const float *vj = vbuf + j * D + i;
+                        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj), a0);
+                        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16), a1);
+                        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 32), a2);
+                        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 48), a3);
+                    }
+                    _mm512_storeu_ps(ah, a0);
+                    _mm512_storeu_ps(ah + 16, a1);
+                    _mm512_storeu_ps(ah + 32, a2);
+                    _mm512_storeu_ps(ah + 48, a3);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < n; j++) {
+            const bf16 *vr = v_cache + slot[j] * row + g * D;
+            for (int64_t i = 0; i < D; i++) kv[i] = bf16_to_f32(vr[i]);
+            for (int64_t h = 0; h < G; h++) {
+                const float p = s[h][j];
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) acc[h * D + i] += p * kv[i];
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
+    }
+}
+
+/* Decode attention over a paged bf16 KV cache, reading the blocks in place.
+ *
+ * q [B, H, D] contiguous; k_cache / v_cache [num_blocks, block_size, KVH, D] (one layer's halves);
+ * block_tables [B, bt_stride] int32; seq_lens [B] int32 (keys of sequence b: positions [start, len),
+ * start = len - window when window > 0 and len > window, else 0). If slots is not NULL, first writes
+ * the new keys / values k_new, v_new [B, KVH, D] (token strides k_stride, v_stride) at slots [B] (int64,
+ * -1 = skip). out [B, H, D] contiguous. Query head h uses KV head h / (H / KVH), H / KVH <= 16.
+ * Online softmax in fp32.
+ */
+void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
+                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                 const int64_t *slots, const bf16 *k_new, int64_t k_stride, const bf16 *v_new,
+                                 int64_t v_stride, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t block_size, int64_t window, float scale) {
+    const int64_t row = KVH * D; /* elements per cache slot */
+    if (slots) {
+        for (int64_t b = 0; b < B; b++) {
+            if (slots[b] < 0) continue;
+            memcpy(k_cache + slots[b] * row, k_new + b * k_stride, (size_t)row * sizeof(bf16));
+            memcpy(v_cache + slots[b] * row, v_new + b * v_stride, (size_t)row * sizeof(bf16));
+        }
+    }
+    const int64_t G = H / KVH;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += seq_lens[b];
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * H > 16384)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t g = 0; g < KVH; g++) {
+            const int64_t len = seq_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int32_t *table = block_tables + b * bt_stride;
+            const bf16 *qg = q + (b * H + g * G) * D;
+            bf16 *og = out + (b * H + g * G) * D;
+            switch (D) {
+            case 64:
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale);
+                break;
+            case 128:
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale);
+                break;
+            default:
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale);
+            }
+        }
+    }
+}
+
+/* sums[i][j] = x[i] . w[j] for i < mb, j < nb (x rows x_stride apart, w rows K apart). MB / NB are
+ * compile-time bounds where inlined with constants (the accumulators then live in registers). */
+static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64_t x_stride, const bf16 *w,
+                                                            int64_t K, const int64_t mb, const int64_t nb,
+                                                            const bf16 *prefetch, float sums[4][4]) {
+#if defined(__AVX512BF16__)
+    if (K % 32 == 0) {
+        __m512 acc[4][4];
+        for (int64_t i = 0; i < mb; i++)
+            for (int64_t j = 0; j < nb; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512bh wv[4];
+            for (int64_t j = 0; j < nb; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+            if (prefetch) /* the rows after these: 4 lines per step of 32 columns */
+                for (int64_t p = 0; p < 128; p += 32) _mm_prefetch((const char *)(prefetch + k * 4 + p), _MM_HINT_T0);
+            for (int64_t i = 0; i < mb; i++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + k);
+                for (int64_t j = 0; j < nb; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+            }
+        }
+        for (int64_t i = 0; i < mb; i++)
+            for (int64_t j = 0; j < nb; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+        return;
+    }
+#endif
+    (void)prefetch;
+    for (int64_t i = 0; i < mb; i++)
+        for (int64_t j = 0; j < nb; j++) {
+            const bf16 *xr = x + i * x_stride, *wr = w + j * K;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t k = 0; k < K; k++) dot += bf16_to_f32(xr[k]) * bf16_to_f32(wr[k]);
+            sums[i][j] = dot;
+        }
+}
+
+#define LINEAR_PREFETCH_ROWS 8
+
+/* y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]); bf16 in and out, fp32 accumulation, one rounding.
+ * x rows have stride x_stride, y rows y_stride (elements); w is contiguous (Hugging Face layout). y is
+ * float32 (no rounding) when y_f32 is non-zero. Output
+ * rows are split across threads; each thread streams its own contiguous part of w once, 4 rows at a
+ * time, against every row of x (so w is read from memory once whatever M is). */
+void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bias, void *y, int64_t y_stride,
+                 int64_t M, int64_t N, int64_t K, int64_t y_f32) {
+#pragma omp parallel if (N * K > 65536)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t per = ((N + nt - 1) / nt + 3) / 4 * 4;
+        const int64_t n_begin = t * per, n_end = (n_begin + per) < N ? (n_begin + per) : N;
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += 4) {
+            const int64_t nb = (n_end - n0) < 4 ? (n_end - n0) : 4;
+            const bf16 *wb = w + n0 * K;
+            const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= n_end) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
+                float sums[4][4];
+                const bf16 *xb = x + m0 * x_stride;
+                if (nb == 4 && mb == 4) dot_block(xb, x_stride, wb, K, 4, 4, m0 ? NULL : prefetch, sums);
+                else if (nb == 4 && mb == 1) dot_block(xb, x_stride, wb, K, 1, 4, prefetch, sums);
+                else if (nb == 4 && mb == 2) dot_block(xb, x_stride, wb, K, 2, 4, m0 ? NULL : prefetch, sums);
+                else dot_block(xb, x_stride, wb, K, mb, nb, m0 ? NULL : prefetch, sums);
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < nb; j++) {
+                        const float v = sums[i][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f);
+                        const int64_t at = (m0 + i) * y_stride + n0 + j;
+                        if (y_f32) ((float *)y)[at] = v;
+                        else ((bf16 *)y)[at] = f32_to_bf16(v);
+                    }
+            }
+        }
+    }
+}
+
+/* 1 when this build multiplies bf16 with the CPU's native bf16 dot product (AVX512-BF16), else 0
+ * (then linear_bf16 converts to fp32 and is slower than oneDNN: callers keep oneDNN there). */
+int64_t has_native_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,176 @@
+"""aserve's C kernels for the CPU decode step (`aserve/kernels/cpu_ops.c`) against fp32 torch references.
+
+Every check runs on three builds: this CPU's (`-march=native`: AVX512 / AVX512-BF16 paths where the
+CPU has them) and the portable x86-64-v3 (AVX2) and x86-64-v2 (SSE) builds, so the code paths other
+machines take are tested on any x86 CPU. Each result is fp32 inside with one rounding to bf16, so it
+must equal the fp32 reference rounded once, up to a last-place difference on a few elements (fp32
+summation order and fused multiply-adds).
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aserve.kernels import cpu_ops
+
+BF16 = torch.bfloat16
+MARCHES = ["native"] + (["x86-64-v3", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def kernels(request) -> cpu_ops.CpuKernels:
+    try:
+        return cpu_ops.build(request.param)
+    except (OSError, subprocess.CalledProcessError) as e:  # e.g. a compiler without that -march
+        pytest.skip(f"cannot build for {request.param}: {e}")
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+def assert_rounded_once(got: torch.Tensor, want_fp32: torch.Tensor, exact_fraction: float = 0.98) -> None:
+    """`got` (bf16) is `want_fp32` rounded to bf16, but for a few elements one bf16 step away."""
+    assert got.dtype == BF16 and got.shape == want_fp32.shape
+    rounded = want_fp32.to(BF16)
+    step = rounded.float().abs().clamp_min(1e-30) * 2**-7  # one bf16 ulp, at most
+    off = (got.float() - rounded.float()).abs()
+    assert bool((off <= step + 1e-30).all()), f"max error {off.max().item()} beyond one bf16 step"
+    assert (got == rounded).float().mean().item() >= exact_fraction
+
+
+def test_rms_norm_with_and_without_residual(kernels):
+    x, residual = _rand(6, 64 * 3, seed=0)[:, :72], _rand(6, 72, seed=1)  # x rows strided
+    weight = (1 + _rand(72, seed=2).float() * 0.3).to(BF16)
+    summed_want = x + residual  # torch's bf16 add: fp32 inside, rounded once
+    out, summed = kernels.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(summed, summed_want)
+    s = summed_want.float()
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+    assert_rounded_once(out, want)
+    alone = kernels.rms_norm(x, weight, 1e-5)
+    xf = x.float()
+    assert_rounded_once(alone, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float())
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # 16 of 32: the rest passes through unchanged
+def test_rotary_neox(kernels, rotary_dim):
+    tokens, q_heads, k_heads, head_dim = 5, 4, 2, 32
+    qkv = _rand(tokens, (q_heads + 2 * k_heads) * head_dim, seed=3)
+    q, k, _ = qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, q_heads, head_dim), k.view(tokens, k_heads, head_dim)  # strided, as the model passes
+    angles = torch.rand(tokens, rotary_dim // 2, generator=torch.Generator().manual_seed(4)) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).to(BF16)
+    q_out, k_out = kernels.rotary_neox(q, k, cos_sin)
+    cos, sin = (c.float().unsqueeze(1) for c in cos_sin.chunk(2, -1))
+    half = rotary_dim // 2
+    for got, x in ((q_out, q), (k_out, k)):
+        xf = x.float()
+        a, b = xf[..., :half], xf[..., half:rotary_dim]
+        want = torch.cat([a * cos - b * sin, b * cos + a * sin, xf[..., rotary_dim:]], -1)
+        assert got.is_contiguous()
+        assert_rounded_once(got, want)
+
+
+def test_silu_and_mul(kernels):
+    x = _rand(3, 2 * 96, seed=5, scale=3.0)
+    xf = x.float()
+    assert_rounded_once(kernels.silu_and_mul(x), F.silu(xf[:, :96]) * xf[:, 96:])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("in_features", [64, 40])  # 40: not a multiple of 32 (the portable loop)
+def test_linear(kernels, rows, in_features):
+    x = _rand(rows, in_features * 2, seed=6)[:, :in_features]  # strided rows
+    weight, bias = _rand(37, in_features, seed=7, scale=0.2), _rand(37, seed=8)
+    want = x.float() @ weight.float().T
+    assert_rounded_once(kernels.linear(x, weight), want, exact_fraction=0.95)
+    assert_rounded_once(kernels.linear(x, weight, bias), want + bias.float(), exact_fraction=0.95)
+    logits = kernels.linear(x, weight, None, torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window):
+    """fp32 SDPA over each sequence's gathered keys / values (the last `window` of them when set)."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    outs = []
+    for b in range(q.shape[0]):
+        length = int(seq_lens[b])
+        blocks = block_tables[b, : -(-length // block_size)].long()
+        keys, values = (kv_cache[i][blocks].reshape(-1, num_kv_heads, head_dim)[:length].float() for i in (0, 1))
+        start = max(0, length - window) if window else 0
+        keys, values = keys[start:], values[start:]
+        group = q.shape[1] // num_kv_heads
+        query = q[b].float().view(num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(query, keys.transpose(0, 1), values.transpose(0, 1), scale=scale)
+        outs.append(out.reshape(-1, head_dim))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (16, 1, 80), (6, 2, 40)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_paged_decode_attention(kernels, heads, kv_heads, head_dim, window):
+    gen = torch.Generator().manual_seed(9)
+    num_blocks, block_size = 40, 16
+    kv_cache = _rand(2, num_blocks, block_size, kv_heads, head_dim, seed=10)
+    seq_lens = torch.tensor([1, 37, 100, 130], dtype=torch.int32)  # 130 > 2 key chunks of 64
+    block_tables = torch.randperm(num_blocks, generator=gen)[:4 * 9].view(4, 9).to(torch.int32)
+    q = _rand(4, heads, head_dim, seed=11)
+    got = kernels.paged_decode_attention(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
+    want = _reference_decode(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_paged_decode_attention_writes_new_keys_first_and_skips_minus_one_slots(kernels):
+    num_blocks, block_size, kv_heads, head_dim = 8, 4, 2, 64
+    kv_cache = _rand(2, num_blocks, block_size, kv_heads, head_dim, seed=12)
+    before = kv_cache.clone()
+    block_tables = torch.tensor([[3, 5], [6, 1]], dtype=torch.int32)
+    seq_lens = torch.tensor([6, 3], dtype=torch.int32)
+    slots = torch.tensor([5 * block_size + 1, -1])  # sequence 0 writes its 6th key; sequence 1 is skipped
+    kv = _rand(2, 2, kv_heads * 2 * head_dim, seed=13)  # k and v views with strided tokens
+    k, v = (kv[i][:, :kv_heads * head_dim].view(2, kv_heads, head_dim) for i in (0, 1))
+    q = _rand(2, 4, head_dim, seed=14)
+    got = kernels.paged_decode_attention(q, kv_cache, block_tables, seq_lens, 0.125, None, (k, v, slots))
+    flat = kv_cache.view(2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[0, 5 * block_size + 1], k[0]) and torch.equal(flat[1, 5 * block_size + 1], v[0])
+    changed = (kv_cache != before).view(2, num_blocks * block_size, -1).any(-1)  # per slot
+    assert changed.nonzero()[:, 1].tolist() == [5 * block_size + 1] * 2  # that slot only, keys and values
+    torch.testing.assert_close(got.float(), _reference_decode(q, kv_cache, block_tables, seq_lens, 0.125, None),
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_load_is_off_when_switched_off(monkeypatch):
+    monkeypatch.setenv(cpu_ops.DISABLE_ENV, "0")
+    assert cpu_ops.load() is None
+    monkeypatch.delenv(cpu_ops.DISABLE_ENV)
+    monkeypatch.setenv(cpu_ops.FORCE_NATIVE_ENV, "1")
+    assert cpu_ops.load() is None
+    monkeypatch.delenv(cpu_ops.FORCE_NATIVE_ENV)
+    assert isinstance(cpu_ops.load(), cpu_ops.CpuKernels)
+
+
+def test_build_failure_is_reported_not_swallowed(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(OSError, match="no C compiler"):
+        cpu_ops.build()
+
+
+def test_kernels_refuse_what_they_cannot_take(kernels):
+    assert not kernels.accepts(torch.zeros(2, 4))  # float32
+    assert not kernels.accepts(torch.zeros(4, 2, dtype=BF16).t())  # no unit stride
+    assert kernels.accepts(torch.zeros(2, 4, dtype=BF16), torch.zeros(4, dtype=BF16))
+    with pytest.raises(ValueError, match="linear"):
+        kernels.linear(torch.zeros(2, 4, dtype=BF16), torch.zeros(3, 5, dtype=BF16))
+    with pytest.raises(ValueError, match="paged_decode_attention"):
+        kernels.paged_decode_attention(torch.zeros(1, 5, 8, dtype=BF16), torch.zeros(2, 1, 4, 2, 8, dtype=BF16),
+                                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
