@@ -61,28 +61,40 @@ static inline float fast_exp(float x) {
     return p * scale.f;
 }
 
-/* out[r] = bf16(s * rsqrt(mean(s^2) + eps) * w) with s = x[r] (+ residual[r], rounded to bf16 and
- * stored in sum_out[r]); as torch's bf16 `x + residual` followed by `F.rms_norm`. residual may be NULL
- * (then sum_out is unused). Row strides in elements; out and sum_out are contiguous [rows, n]. */
-void add_rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *residual, int64_t res_stride,
-                       const bf16 *weight, bf16 *out, bf16 *sum_out, int64_t rows, int64_t n, float eps) {
+/* out[r] = bf16(s * rsqrt(mean(s^2) + eps) * w) with s = x[r], or, with a residual, s = x[r] + residual[r]
+ * in fp32, stored unrounded in sum_out[r] (the residual stream stays fp32 from layer to layer: closer to
+ * an fp32 model than rounding it to bf16 after every add). residual is bf16, or fp32 when residual_f32;
+ * it may be NULL (then sum_out is unused). Row strides in elements; out and sum_out are contiguous
+ * [rows, n]. */
+void add_rms_norm_bf16(const bf16 *x, int64_t x_stride, const void *residual, int64_t res_stride,
+                       int64_t residual_f32, const bf16 *weight, bf16 *out, float *sum_out, int64_t rows,
+                       int64_t n, float eps) {
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *xr = x + r * x_stride;
         bf16 *orow = out + r * n;
         float ss = 0.0f;
         if (residual) {
-            const bf16 *rr = residual + r * res_stride;
-            bf16 *sr = sum_out + r * n;
-            for (int64_t i = 0; i < n; i++) sr[i] = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
-            xr = sr;
+            float *sr = sum_out + r * n;
+            if (residual_f32) {
+                const float *rr = (const float *)residual + r * res_stride;
+                for (int64_t i = 0; i < n; i++) sr[i] = bf16_to_f32(xr[i]) + rr[i];
+            } else {
+                const bf16 *rr = (const bf16 *)residual + r * res_stride;
+                for (int64_t i = 0; i < n; i++) sr[i] = bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]);
+            }
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < n; i++) ss += sr[i] * sr[i];
+            const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+            for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(sr[i] * inv * bf16_to_f32(weight[i]));
+            continue;
         }
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < n; i++) {
             float v = bf16_to_f32(xr[i]);
             ss += v * v;
         }
-        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
         for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
     }
 }

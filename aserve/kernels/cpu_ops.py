@@ -40,7 +40,7 @@ _BF16 = torch.bfloat16
 _is_compiling = torch.compiler.is_compiling
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "add_rms_norm_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _F),
+    "add_rms_norm_bf16": (_P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _F),
     "rotary_neox_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "silu_and_mul_bf16": (_P, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
@@ -149,20 +149,21 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, N]` (unit stride within a row) -> `rms_norm(x) * weight [N]`; with `residual` (same
-        shape): `(rms_norm(s) * weight, s)` for `s = x + residual` (rounded to bf16 first, as torch)."""
+        """x `[T, N]` bf16 -> `rms_norm(x) * weight [N]`; with `residual` (`[T, N]`, bf16 or float32):
+        `(rms_norm(s) * weight, s)` for `s = x + residual` in float32, unrounded (so a model's residual
+        stream stays float32 between layers)."""
         rows, n = x.shape
-        if x.stride(1) != 1 or weight.shape[0] != n:
-            raise ValueError(f"rms_norm: x {tuple(x.shape)} needs unit stride and weight [{n}]")
+        if weight.shape[0] != n:
+            raise ValueError(f"rms_norm: x {tuple(x.shape)} needs weight [{n}]")
         out = torch.empty_like(x) if x.is_contiguous() else x.new_empty((rows, n))
         if residual is None:
-            self._norm(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None, rows, n, eps)
+            self._norm(x.data_ptr(), x.stride(0), None, 0, 0, weight.data_ptr(), out.data_ptr(), None, rows, n, eps)
             return out
-        if residual.shape != x.shape or residual.stride(1) != 1:
-            raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-        summed = torch.empty_like(out)
-        self._norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                   out.data_ptr(), summed.data_ptr(), rows, n, eps)
+        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype not in (_BF16, torch.float32):
+            raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)}")
+        summed = torch.empty((rows, n), dtype=torch.float32)
+        self._norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), residual.dtype == torch.float32,
+                   weight.data_ptr(), out.data_ptr(), summed.data_ptr(), rows, n, eps)
         return out, summed
 
     def rotary_neox(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

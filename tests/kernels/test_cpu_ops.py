@@ -50,12 +50,16 @@ def assert_rounded_once(got: torch.Tensor, want_fp32: torch.Tensor, exact_fracti
 def test_rms_norm_with_and_without_residual(kernels):
     x, residual = _rand(6, 64 * 3, seed=0)[:, :72], _rand(6, 72, seed=1)  # x rows strided
     weight = (1 + _rand(72, seed=2).float() * 0.3).to(BF16)
-    summed_want = x + residual  # torch's bf16 add: fp32 inside, rounded once
+    def normed(s):
+        return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+
     out, summed = kernels.rms_norm(x, weight, 1e-5, residual)
-    assert torch.equal(summed, summed_want)
-    s = summed_want.float()
-    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
-    assert_rounded_once(out, want)
+    assert summed.dtype == torch.float32 and torch.equal(summed, x.float() + residual.float())  # not rounded
+    assert_rounded_once(out, normed(summed))
+    residual32 = torch.randn(6, 72, generator=torch.Generator().manual_seed(3))  # a float32 residual stream
+    out, summed = kernels.rms_norm(x, weight, 1e-5, residual32)
+    assert torch.equal(summed, x.float() + residual32)
+    assert_rounded_once(out, normed(summed))
     alone = kernels.rms_norm(x, weight, 1e-5)
     xf = x.float()
     assert_rounded_once(alone, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float())

@@ -10,13 +10,17 @@ from aserve.kernels import reference
 from aserve.model.layers.custom_op import CustomOp
 
 
+_KERNEL_RESIDUAL_DTYPES = (torch.bfloat16, torch.float32)
+
+
 class RMSNorm(CustomOp):
     """`forward(x)` -> normed; `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
 
     Native: Hugging Face's order (normalize in fp32, round to x's dtype, then scale by the weight).
-    CPU: for bf16 rows the C kernel (`cpu_ops.rms_norm`, the residual add and the norm in one call),
-    else torch's `F.rms_norm`; both fp32 inside with one rounding at the end: identical in fp32,
-    within one bf16 rounding of the native form in bf16.
+    CPU: for bf16 rows the C kernel (`cpu_ops.rms_norm`, the residual add and the norm in one call;
+    the sum it returns is float32, unrounded, so the residual stream of a bf16 model stays float32
+    from layer to layer), else torch's `F.rms_norm`; both fp32 inside with one rounding at the end:
+    identical in fp32, within one bf16 rounding of the native form in bf16.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
@@ -33,7 +37,8 @@ class RMSNorm(CustomOp):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kernels = self.cpu_kernels
-        if kernels is not None and x.dim() == 2 and kernels.accepts(x):
+        if kernels is not None and x.dim() == 2 and kernels.accepts(x) and (
+                residual is None or residual.dtype in _KERNEL_RESIDUAL_DTYPES):
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

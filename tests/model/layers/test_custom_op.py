@@ -40,7 +40,7 @@ def test_rms_norm_cpu_form_matches_native(dtype):
     got, got_sum = norm.forward_cpu(x, residual)
     want, want_sum = norm.forward_native(x, residual)
     torch.testing.assert_close(got, want, **_tolerance(dtype))
-    assert torch.equal(got_sum, want_sum)
+    assert torch.equal(got_sum.to(dtype), want_sum)  # bf16 with the C kernel: the unrounded fp32 sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
