@@ -8,6 +8,7 @@ resolves, downloads or converts anything, so a bad flag is reported at once.
 from __future__ import annotations
 
 import json
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -108,9 +109,17 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
         tokenizer_path = resolve_model(tokenizer_path, args.tokenizer_revision, args.download_dir, "auto")
     config = args.create_config(model_path=model_path, tokenizer_path=tokenizer_path,
                                 cuda_available=args.device != "cpu" and cuda_available())
-    tokenizer = load_tokenizer(config)
-    executor = executor_factory(config)
-    info = executor.start()
+    # The tokenizer (~1 s, mostly imports) loads on a thread while the executor starts the model (a
+    # worker process spends ~2 s importing torch before it loads anything): start-up overlaps them.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aserve-tokenizer") as pool:
+        tokenizer_future = pool.submit(load_tokenizer, config)
+        executor = executor_factory(config)
+        try:
+            info = executor.start()
+        except BaseException:
+            tokenizer_future.cancel()
+            raise
+        tokenizer = tokenizer_future.result()
     tokens = (info.num_blocks - 1) * info.block_size  # block 0 is the reserved null block
     if tokens < config.model.max_model_len:
         executor.shutdown()

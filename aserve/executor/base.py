@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+from pathlib import Path
 from typing import Protocol
 
 from aserve.config import AserveConfig
@@ -26,13 +29,50 @@ class Executor(Protocol):
 
 
 def cuda_available() -> bool:
-    """Whether the runner will find a CUDA device (asked here so the engine never imports torch)."""
+    """Whether the runner will find a CUDA device, asked without importing torch (1-2 s that the server
+    process would spend before the worker even starts): a CPU-only torch build (its `torch/version.py`
+    says `cuda = None`) has none; otherwise the CUDA driver is asked for a device count (it honours
+    CUDA_VISIBLE_DEVICES, as torch does). Falls back to `torch.cuda.is_available()` where neither answers."""
+    build = _torch_build_info()
+    if build is not None and build.get("cuda") is None and build.get("hip") is None:
+        return False
+    if build is not None and build.get("hip") is None:
+        count = _cuda_driver_device_count()
+        if count is not None:
+            return count > 0
     try:
         import torch
 
         return torch.cuda.is_available()
     except Exception:  # pragma: no cover - torch missing or broken
         return False
+
+
+def _torch_build_info() -> dict | None:
+    """The variables of the installed torch's `version.py` (without importing torch), or None."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        source = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+        namespace: dict = {}
+        exec(compile(source, "torch/version.py", "exec"), namespace)  # a few assignments, written by torch's build
+        return namespace
+    except Exception:
+        return None
+
+
+def _cuda_driver_device_count() -> int | None:
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0  # no driver: no device
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0:
+        return 0
+    if driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None
+    return count.value
 
 
 def make_executor(config: AserveConfig) -> Executor:
