@@ -63,26 +63,32 @@ static inline float fast_exp(float x) {
 
 /* out[r] = bf16(s * rsqrt(mean(s^2) + eps) * w) with s = x[r], or, with a residual, s = x[r] + residual[r]
  * in fp32, stored unrounded in sum_out[r] (the residual stream stays fp32 from layer to layer: closer to
- * an fp32 model than rounding it to bf16 after every add). residual is bf16, or fp32 when residual_f32;
+ * an fp32 model than rounding it to bf16 after every add). x is bf16, or fp32 when x_f32 (a projection's
+ * unrounded output); residual is bf16, or fp32 when residual_f32;
  * it may be NULL (then sum_out is unused). Row strides in elements; out and sum_out are contiguous
  * [rows, n]. */
-void add_rms_norm_bf16(const bf16 *x, int64_t x_stride, const void *residual, int64_t res_stride,
+static inline void load_row(const void *x, int64_t is_f32, int64_t r, int64_t stride, int64_t n, float *out) {
+    if (is_f32) {
+        memcpy(out, (const float *)x + r * stride, (size_t)n * sizeof(float));
+    } else {
+        const bf16 *xr = (const bf16 *)x + r * stride;
+        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(xr[i]);
+    }
+}
+
+void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,
                        int64_t residual_f32, const bf16 *weight, bf16 *out, float *sum_out, int64_t rows,
                        int64_t n, float eps) {
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t r = 0; r < rows; r++) {
-        const bf16 *xr = x + r * x_stride;
+        float xr[n];
+        load_row(x, x_f32, r, x_stride, n, xr);
         bf16 *orow = out + r * n;
         float ss = 0.0f;
         if (residual) {
             float *sr = sum_out + r * n;
-            if (residual_f32) {
-                const float *rr = (const float *)residual + r * res_stride;
-                for (int64_t i = 0; i < n; i++) sr[i] = bf16_to_f32(xr[i]) + rr[i];
-            } else {
-                const bf16 *rr = (const bf16 *)residual + r * res_stride;
-                for (int64_t i = 0; i < n; i++) sr[i] = bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]);
-            }
+            load_row(residual, residual_f32, r, res_stride, n, sr);
+            for (int64_t i = 0; i < n; i++) sr[i] += xr[i];
 #pragma omp simd reduction(+ : ss)
             for (int64_t i = 0; i < n; i++) ss += sr[i] * sr[i];
             const float inv = 1.0f / sqrtf(ss / (float)n + eps);
@@ -90,12 +96,9 @@ void add_rms_norm_bf16(const bf16 *x, int64_t x_stride, const void *residual, in
             continue;
         }
 #pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < n; i++) {
-            float v = bf16_to_f32(xr[i]);
-            ss += v * v;
-        }
+        for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(bf16_to_f32(xr[i]) * inv * bf16_to_f32(weight[i]));
+        for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(xr[i] * inv * bf16_to_f32(weight[i]));
     }
 }
 
@@ -134,15 +137,16 @@ void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_
     }
 }
 
-/* out [rows, n] = bf16(silu(x[r, :n]) * x[r, n:2n]), x with row stride x_stride. */
-void silu_and_mul_bf16(const bf16 *x, int64_t x_stride, bf16 *out, int64_t rows, int64_t n) {
+/* out [rows, n] = bf16(silu(x[r, :n]) * x[r, n:2n]), x (bf16, or fp32 when x_f32) with row stride x_stride. */
+void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n) {
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t r = 0; r < rows; r++) {
-        const bf16 *g = x + r * x_stride, *u = g + n;
+        float row[2 * n];
+        load_row(x, x_f32, r, x_stride, 2 * n, row);
         bf16 *o = out + r * n;
         for (int64_t i = 0; i < n; i++) {
-            float a = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-a)) * bf16_to_f32(u[i]));
+            const float a = row[i];
+            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-a)) * row[n + i]);
         }
     }
 }

@@ -37,12 +37,13 @@ _SOURCE = Path(__file__).with_name("cpu_ops.c")
 _FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 _BF16 = torch.bfloat16
+_ROW_DTYPES = (torch.bfloat16, torch.float32)  # inputs the norm and the activation take
 _is_compiling = torch.compiler.is_compiling
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "add_rms_norm_bf16": (_P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _F),
+    "add_rms_norm_bf16": (_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _F),
     "rotary_neox_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
-    "silu_and_mul_bf16": (_P, _I, _P, _I, _I),
+    "silu_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F),
 }
@@ -137,6 +138,12 @@ class CpuKernels:
         self.native_bf16_dot = bool(library.has_native_bf16_dot())
 
     @staticmethod
+    def accepts_rows(x: torch.Tensor) -> bool:
+        """Whether `x` can be the input of `rms_norm` / `silu_and_mul`: 2-D bf16 or float32 CPU rows
+        with unit stride, not being traced by torch.compile."""
+        return x.dtype in _ROW_DTYPES and x.dim() == 2 and x.is_cpu and x.stride(1) == 1 and not _is_compiling()
+
+    @staticmethod
     def accepts(x: torch.Tensor, *more: torch.Tensor) -> bool:
         """Whether these tensors can go to the kernels: bfloat16, on the CPU, unit stride in the last
         dim, and not being traced by torch.compile."""
@@ -149,21 +156,23 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, N]` bf16 -> `rms_norm(x) * weight [N]`; with `residual` (`[T, N]`, bf16 or float32):
-        `(rms_norm(s) * weight, s)` for `s = x + residual` in float32, unrounded (so a model's residual
-        stream stays float32 between layers)."""
+        """x `[T, N]` (bf16, or float32: a projection's unrounded output) -> bf16 `rms_norm(x) * weight [N]`;
+        with `residual` (`[T, N]`, bf16 or float32): `(rms_norm(s) * weight, s)` for `s = x + residual` in
+        float32, unrounded (so a model's residual stream stays float32 between layers)."""
         rows, n = x.shape
-        if weight.shape[0] != n:
-            raise ValueError(f"rms_norm: x {tuple(x.shape)} needs weight [{n}]")
-        out = torch.empty_like(x) if x.is_contiguous() else x.new_empty((rows, n))
+        if weight.shape[0] != n or x.dtype not in _ROW_DTYPES:
+            raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} needs weight [{n}] and bf16/float32 rows")
+        out = torch.empty((rows, n), dtype=_BF16)
+        x_f32 = x.dtype == torch.float32
         if residual is None:
-            self._norm(x.data_ptr(), x.stride(0), None, 0, 0, weight.data_ptr(), out.data_ptr(), None, rows, n, eps)
+            self._norm(x.data_ptr(), x.stride(0), x_f32, None, 0, 0, weight.data_ptr(), out.data_ptr(), None, rows,
+                       n, eps)
             return out
-        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype not in (_BF16, torch.float32):
+        if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype not in _ROW_DTYPES:
             raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)}")
         summed = torch.empty((rows, n), dtype=torch.float32)
-        self._norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), residual.dtype == torch.float32,
-                   weight.data_ptr(), out.data_ptr(), summed.data_ptr(), rows, n, eps)
+        self._norm(x.data_ptr(), x.stride(0), x_f32, residual.data_ptr(), residual.stride(0),
+                   residual.dtype == torch.float32, weight.data_ptr(), out.data_ptr(), summed.data_ptr(), rows, n, eps)
         return out, summed
 
     def rotary_neox(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,12 +208,12 @@ class CpuKernels:
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, 2N]` (unit stride within a row) -> `silu(x[:, :N]) * x[:, N:]`."""
+        """x `[T, 2N]` (bf16 or float32, unit stride within a row) -> bf16 `silu(x[:, :N]) * x[:, N:]`."""
         rows, width = x.shape
-        if x.stride(1) != 1 or width % 2:
-            raise ValueError(f"silu_and_mul: x {tuple(x.shape)} needs unit stride and an even width")
-        out = torch.empty((rows, width // 2), dtype=x.dtype)
-        self._silu(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2)
+        if x.stride(1) != 1 or width % 2 or x.dtype not in _ROW_DTYPES:
+            raise ValueError(f"silu_and_mul: x {tuple(x.shape)} {x.dtype} needs unit stride, an even width, bf16/fp32")
+        out = torch.empty((rows, width // 2), dtype=_BF16)
+        self._silu(x.data_ptr(), x.stride(0), x.dtype == torch.float32, out.data_ptr(), rows, width // 2)
         return out
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -60,6 +60,10 @@ def test_rms_norm_with_and_without_residual(kernels):
     out, summed = kernels.rms_norm(x, weight, 1e-5, residual32)
     assert torch.equal(summed, x.float() + residual32)
     assert_rounded_once(out, normed(summed))
+    x32 = x.float() + torch.randn(6, 72, generator=torch.Generator().manual_seed(4)) * 1e-3  # not bf16-exact
+    out, summed = kernels.rms_norm(x32, weight, 1e-5, residual32)  # an unrounded projection output
+    assert torch.equal(summed, x32 + residual32)
+    assert_rounded_once(out, normed(summed))
     alone = kernels.rms_norm(x, weight, 1e-5)
     xf = x.float()
     assert_rounded_once(alone, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float())
@@ -88,6 +92,8 @@ def test_silu_and_mul(kernels):
     x = _rand(3, 2 * 96, seed=5, scale=3.0)
     xf = x.float()
     assert_rounded_once(kernels.silu_and_mul(x), F.silu(xf[:, :96]) * xf[:, 96:])
+    x32 = torch.randn(3, 2 * 96, generator=torch.Generator().manual_seed(6)) * 3  # float32 rows: bf16 out
+    assert_rounded_once(kernels.silu_and_mul(x32), F.silu(x32[:, :96]) * x32[:, 96:])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])

@@ -34,6 +34,18 @@ def all_position_logits(model, sequences: list[list[int]], block_size: int = 16)
     return [x.float() for x in run_schedule(model, sequences, steps, block_size, num_blocks)]
 
 
+def decode_step_logits(model, prompts: list[list[int]], sequences: list[list[int]],
+                       block_size: int = 16) -> list[torch.Tensor]:
+    """Float32 logits as serving computes them: each prompt prefilled (all in one step), then every
+    further token of `sequences` (prompt + forced answer) fed as one decode row per sequence per step,
+    all sequences batched. Positions are those of `all_position_logits`."""
+    num_blocks = sum(-(-len(s) // block_size) for s in sequences) + 1
+    steps = [[(i, len(p)) for i, p in enumerate(prompts)]]
+    for t in range(max(len(s) - len(p) for s, p in zip(sequences, prompts, strict=True))):
+        steps.append([(i, 1) for i, (s, p) in enumerate(zip(sequences, prompts, strict=True)) if len(p) + t < len(s)])
+    return [x.float() for x in run_schedule(model, sequences, steps, block_size, num_blocks)]
+
+
 def parity(reference_logits: list[torch.Tensor], candidate_logits: list[torch.Tensor], start: int) -> ParityReport:
     """Compare the logits of positions `start:` of each sequence (see the module docstring)."""
     ref = torch.cat([x[start:] for x in reference_logits])

@@ -23,7 +23,7 @@ from aserve.config import EngineArgs
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import load_model
 from aserve.model.quantization.assign import linear_layers
-from tests.model._parity import all_position_logits, greedy_generate, parity
+from tests.model._parity import all_position_logits, decode_step_logits, greedy_generate, parity
 
 pytestmark = pytest.mark.slow
 
@@ -102,5 +102,21 @@ def test_bf16_teacher_forced_parity(folder, prompts, forced, quantization, min_t
     assert {layer.quant_method.name for _, layer in linear_layers(model)} == {quantization}
     report = parity(_measured(ref_logits, prompts), _measured(all_position_logits(model, sequences), prompts), 0)
     print(f"--quantization {quantization}, bf16 activations vs fp32 dequantized: {report}")
+    assert report.num_positions == len(QUESTIONS) * NUM_POSITIONS
+    assert report.top1_agreement >= min_top1 and report.mean_kl <= 0.02, str(report)
+
+
+# Serving computes an answer's logits in decode steps, where bf16 CPU paths keep more in float32 (the C
+# kernels' unrounded projection outputs, aserve/model/quantization/cpu_kernel.py); issue 10's 99% holds
+# there for plain bf16 (README, *Quantized CPU paths*). CI's 12 x 32 positions get a little slack.
+DECODE_CASES = [(None, 0.99 if FULL else 0.985), ("gguf", 0.98)]
+
+
+@pytest.mark.parametrize(("quantization", "min_top1"), DECODE_CASES)
+def test_bf16_decode_step_parity(folder, prompts, forced, quantization, min_top1):
+    sequences, ref_logits = forced
+    model = _load(folder, "bfloat16", quantization)
+    report = parity(_measured(ref_logits, prompts), _measured(decode_step_logits(model, prompts, sequences), prompts), 0)
+    print(f"--quantization {quantization}, bf16 activations, decode steps vs fp32 dequantized: {report}")
     assert report.num_positions == len(QUESTIONS) * NUM_POSITIONS
     assert report.top1_agreement >= min_top1 and report.mean_kl <= 0.02, str(report)

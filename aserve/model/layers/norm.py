@@ -10,16 +10,13 @@ from aserve.kernels import reference
 from aserve.model.layers.custom_op import CustomOp
 
 
-_KERNEL_RESIDUAL_DTYPES = (torch.bfloat16, torch.float32)
-
-
 class RMSNorm(CustomOp):
     """`forward(x)` -> normed; `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
 
     Native: Hugging Face's order (normalize in fp32, round to x's dtype, then scale by the weight).
-    CPU: for bf16 rows the C kernel (`cpu_ops.rms_norm`, the residual add and the norm in one call;
-    the sum it returns is float32, unrounded, so the residual stream of a bf16 model stays float32
-    from layer to layer), else torch's `F.rms_norm`; both fp32 inside with one rounding at the end:
+    CPU: for a bf16 model the C kernel (`cpu_ops.rms_norm`, the residual add and the norm in one call;
+    x may be a projection's unrounded float32 output, and the sum it returns is float32, unrounded, so
+    the residual stream stays float32 from layer to layer; the normed output is bf16), else torch's `F.rms_norm`; both fp32 inside with one rounding at the end:
     identical in fp32, within one bf16 rounding of the native form in bf16.
     """
 
@@ -37,8 +34,8 @@ class RMSNorm(CustomOp):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         kernels = self.cpu_kernels
-        if kernels is not None and x.dim() == 2 and kernels.accepts(x) and (
-                residual is None or residual.dtype in _KERNEL_RESIDUAL_DTYPES):
+        if (kernels is not None and self.weight.dtype == torch.bfloat16 and kernels.accepts_rows(x)
+                and (residual is None or kernels.accepts_rows(residual))):
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

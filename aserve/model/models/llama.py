@@ -53,7 +53,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(arch.hidden_size, [arch.intermediate_size] * 2, dtype=dtype)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
-        self.act_fn = get_act_and_mul(arch.hidden_act)
+        self.act_fn = get_act_and_mul(arch.hidden_act, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -113,6 +113,10 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Projections whose output only feeds an RMSNorm (through the residual add) or the gated activation,
+    # which take float32 rows on CPU: the loader may let these return unrounded float32
+    # (aserve/model/quantization/cpu_kernel.py).
+    float_output_modules: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj", "gate_up_proj")
     # Checkpoint entries that carry no weights we use.
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 

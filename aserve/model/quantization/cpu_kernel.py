@@ -33,17 +33,24 @@ def kernel_rows(kernels: CpuKernels, x: torch.Tensor) -> bool:
 
 
 class CpuKernelLinearMethod(UnquantizedLinearMethod):
-    """The float weight as loaded (contiguous); decode-sized batches multiply in the C kernel."""
+    """The float weight as loaded (contiguous); decode-sized batches multiply in the C kernel.
+
+    With `float_output`, those batches return the unrounded float32 product instead of bf16: for layers
+    whose output only feeds ops that take float32 rows (the model's `float_output_modules`: RMSNorm after
+    a residual-stream projection, the gated activation), which keeps a bf16 model closer to its fp32
+    self (an exception to `LinearMethodBase.apply`'s "in x's dtype", for those layers only)."""
 
     name = "cpu_bf16_kernel"
 
-    def __init__(self, kernels: CpuKernels):
-        self.kernels = kernels  # shared and immutable: the method keeps no per-layer state
+    def __init__(self, kernels: CpuKernels, float_output: bool = False):
+        # Shared and immutable: the method keeps no per-layer state.
+        self.kernels = kernels
+        self.out_dtype = torch.float32 if float_output else torch.bfloat16
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         layer.weight.data = layer.weight.data.contiguous()
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if kernel_rows(self.kernels, x):
-            return self.kernels.linear(x, layer.weight, bias)
+            return self.kernels.linear(x, layer.weight, bias, self.out_dtype)
         return F.linear(x, layer.weight, bias)

@@ -60,14 +60,14 @@ def test_rotary_cpu_form_matches_native(dtype, rotary_dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_cpu_form_matches_native(dtype):
     x = torch.randn(3, 2 * 48, generator=torch.Generator().manual_seed(2)).to(dtype)
-    act = SiluAndMul()
+    act = SiluAndMul(dtype)
     torch.testing.assert_close(act.forward_cpu(x), act.forward_native(x), **_tolerance(dtype))
 
 
 def test_bf16_cpu_forms_round_once_with_the_c_kernels():
     """With the C kernels, bf16 CPU forms compute in fp32 and round once: closer to an fp32 model than
     the native forms, which round after every op like Hugging Face's bf16 modules."""
-    act = SiluAndMul()
+    act = SiluAndMul(torch.bfloat16)
     if act.cpu_kernels is None:
         pytest.skip("the C kernels cannot be built here")
     x = (torch.randn(64, 2 * 256, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)

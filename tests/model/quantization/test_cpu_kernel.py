@@ -52,3 +52,30 @@ def test_lm_head_gives_unrounded_float_logits():
     logits = head(hidden)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden.float() @ head.weight.float().T, rtol=1e-5, atol=1e-5)
+
+
+def test_float_output_layers_return_unrounded_float32_for_decode_sized_batches():
+    layer = _layer()
+    layer.quant_method = CpuKernelLinearMethod(KERNELS, float_output=True)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x.float(), layer.weight.float(), layer.bias.float()), rtol=1e-5, atol=1e-5)
+    big = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert layer(big).dtype == torch.bfloat16  # prefill-sized: F.linear, as every other layer
+
+
+def test_the_loader_gives_float_outputs_to_the_models_residual_and_gate_projections():
+    from aserve.config.hf_config import ArchConfig
+    from aserve.model.attention.torch_backend import TorchAttentionBackend
+    from aserve.model.models.llama import LlamaForCausalLM
+    from aserve.model.quantization.assign import linear_layers, use_cpu_linear_forms
+
+    arch = ArchConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                    "vocab_size": 100, "max_position_embeddings": 128})
+    model = LlamaForCausalLM(arch, TorchAttentionBackend(), torch.bfloat16)
+    assert use_cpu_linear_forms(model) == 4 * arch.num_hidden_layers
+    floats = {name.rsplit(".", 1)[-1] for name, layer in linear_layers(model)
+              if layer.quant_method.out_dtype == torch.float32}
+    assert floats == {"o_proj", "down_proj", "gate_up_proj"}
