@@ -391,3 +391,77 @@ int64_t has_native_bf16_dot(void) {
     return 0;
 #endif
 }
+
+#if defined(__AVX512BF16__)
+/* One register block of linear_vnni_bf16: rows [0, MB) of x against NG groups of 16 output columns. */
+static inline __attribute__((always_inline)) void vnni_block(const bf16 *x, int64_t x_stride, const bf16 *wp,
+                                                             int64_t K, const int64_t MB, const int64_t NG,
+                                                             __m512 acc[6][4]) {
+    const int64_t pairs = K / 2, group_stride = pairs * 32;
+    for (int64_t i = 0; i < MB; i++)
+        for (int64_t j = 0; j < NG; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        __m512bh b[4];
+        for (int64_t j = 0; j < NG; j++) b[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_stride + kp * 32);
+        for (int64_t i = 0; i < MB; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * x_stride + 2 * kp, sizeof(pair));
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int64_t j = 0; j < NG; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+        }
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) with W pre-packed in pairs along K ("VNNI" layout): w_packed is
+ * [N / 16][K / 2][16][2] bf16 (pack with cpu_ops.pack_vnni), N % 16 == 0, K even. Register blocks of
+ * 6 rows x 64 columns accumulate with one broadcast x pair per 16-column dot product (no horizontal
+ * sums); each thread owns a contiguous range of columns, so every weight byte is read once per 6 rows
+ * from cache and once from memory. y is bf16, or fp32 when y_f32. AVX512-BF16 only (returns -1 otherwise). */
+int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
+                         int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
+#if defined(__AVX512BF16__)
+    const int64_t groups = N / 16;
+#pragma omp parallel if (N * K > 65536)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t per = (groups + nt - 1) / nt;
+        const int64_t g_begin = t * per, g_end = (g_begin + per) < groups ? (g_begin + per) : groups;
+        for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
+            const int64_t ng = (g_end - g0) < 4 ? (g_end - g0) : 4;
+            const bf16 *wp = w_packed + g0 * (K / 2) * 32;
+            for (int64_t m0 = 0; m0 < M; m0 += 6) {
+                const int64_t mb = (M - m0) < 6 ? (M - m0) : 6;
+                const bf16 *xb = x + m0 * x_stride;
+                __m512 acc[6][4];
+                if (ng == 4 && mb == 6) vnni_block(xb, x_stride, wp, K, 6, 4, acc);
+                else if (ng == 4 && mb == 1) vnni_block(xb, x_stride, wp, K, 1, 4, acc);
+                else if (ng == 4 && mb == 2) vnni_block(xb, x_stride, wp, K, 2, 4, acc);
+                else if (ng == 4 && mb == 4) vnni_block(xb, x_stride, wp, K, 4, 4, acc);
+                else vnni_block(xb, x_stride, wp, K, mb, ng, acc);
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < ng; j++) {
+                        float v[16];
+                        _mm512_storeu_ps(v, acc[i][j]);
+                        const int64_t col = (g0 + j) * 16;
+                        const int64_t at = (m0 + i) * y_stride + col;
+                        for (int64_t c = 0; c < 16; c++) {
+                            const float o = v[c] + (bias ? bf16_to_f32(bias[col + c]) : 0.0f);
+                            if (y_f32) ((float *)y)[at + c] = o;
+                            else ((bf16 *)y)[at + c] = f32_to_bf16(o);
+                        }
+                    }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)w_packed; (void)bias; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    (void)y_f32;
+    return -1;
+#endif
+}

@@ -45,6 +45,7 @@ _SIGNATURES = {
     "rotary_neox_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "silu_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
+    "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F),
 }
 
@@ -133,6 +134,8 @@ class CpuKernels:
         self._silu = library.silu_and_mul_bf16
         self._attend = library.paged_decode_attention_bf16
         self._linear = library.linear_bf16
+        self._linear_vnni = library.linear_vnni_bf16
+        self._linear_vnni.restype = ctypes.c_int64
         library.has_native_bf16_dot.restype = ctypes.c_int64
         # Whether `linear` runs on the CPU's bf16 dot-product instructions (else fp32 FMAs, slower than oneDNN).
         self.native_bf16_dot = bool(library.has_native_bf16_dot())
@@ -205,6 +208,30 @@ class CpuKernels:
         out = torch.empty((rows, n), dtype=out_dtype)
         self._linear(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                      out.data_ptr(), n, rows, n, k, out_dtype == torch.float32)
+        return out
+
+    @staticmethod
+    def pack_vnni(weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight [N, K]` (bf16) in the pair-interleaved layout `linear_vnni` takes, `[N/16, K/2, 16, 2]`
+        (contiguous); None when N is not a multiple of 16 or K is odd."""
+        n, k = weight.shape
+        if n % 16 or k % 2:
+            return None
+        return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def linear_vnni(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = _BF16) -> torch.Tensor:
+        """As `linear`, with the weight from `pack_vnni`: register blocks of 6 rows x 64 columns and no
+        horizontal sums, so any M runs near the CPU's bf16 peak (for prefill as fast as oneDNN, for
+        decode faster). Needs `native_bf16_dot`."""
+        rows, k = x.shape
+        n = packed.shape[0] * 16
+        if x.stride(1) != 1 or packed.shape[1] * 2 != k or (bias is not None and bias.shape[0] != n):
+            raise ValueError(f"linear_vnni: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)}")
+        out = torch.empty((rows, n), dtype=out_dtype)
+        if self._linear_vnni(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                             out.data_ptr(), n, rows, n, k, out_dtype == torch.float32):
+            raise RuntimeError("linear_vnni: this build has no native bf16 dot product")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

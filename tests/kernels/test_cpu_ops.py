@@ -109,6 +109,21 @@ def test_linear(kernels, rows, in_features):
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 13])  # register blocks of 6 rows: full, partial, several
+def test_linear_vnni(kernels, rows):
+    weight, bias = _rand(80, 64, seed=15, scale=0.2), _rand(80, seed=16)  # 80 columns: 64 + a group of 16
+    packed = kernels.pack_vnni(weight)
+    assert packed.shape == (5, 32, 16, 2) and kernels.pack_vnni(weight[:40]) is None
+    x = _rand(rows, 128, seed=17)[:, :64]  # strided rows
+    if not kernels.native_bf16_dot:
+        with pytest.raises(RuntimeError, match="no native bf16"):
+            kernels.linear_vnni(x, packed)
+        return
+    want = x.float() @ weight.float().T + bias.float()
+    assert_rounded_once(kernels.linear_vnni(x, packed, bias), want, exact_fraction=0.95)
+    torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
+
+
 def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window):
     """fp32 SDPA over each sequence's gathered keys / values (the last `window` of them when set)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]

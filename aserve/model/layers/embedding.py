@@ -42,6 +42,7 @@ class LMHead(nn.Module):
 
         self.packed_weight: torch.Tensor | None = None  # the CPU form, from `pack_for_cpu`
         self.cpu_kernels: CpuKernels | None = None  # set by `use_cpu_kernel`
+        self.vnni_weight: torch.Tensor | None = None  # its packed copy of the weight, when the shape packs
 
     def pack_for_cpu(self) -> None:
         """After loading: multiply by a oneDNN-packed copy of the weight (aserve/model/quantization/
@@ -49,12 +50,16 @@ class LMHead(nn.Module):
         self.packed_weight = pack_weight(self.weight.data)
 
     def use_cpu_kernel(self, kernels: CpuKernels) -> None:
-        """After loading: decode-sized batches multiply in aserve's C kernel (aserve/model/quantization/
-        cpu_kernel.py), straight into float32 logits (no bf16 rounding of the logits)."""
+        """After loading: multiply in aserve's C kernels (aserve/model/quantization/cpu_kernel.py) by a
+        packed copy of the weight (a tied head keeps the embedding's for lookups), straight into float32
+        logits (no bf16 rounding of the logits)."""
         self.cpu_kernels = kernels
+        self.vnni_weight = kernels.pack_vnni(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kernels = self.cpu_kernels
+        if kernels is not None and self.vnni_weight is not None and kernels.accepts(hidden) and hidden.dim() == 2:
+            return kernels.linear_vnni(hidden, self.vnni_weight, None, torch.float32)
         if kernels is not None and kernel_rows(kernels, hidden):
             return kernels.linear(hidden, self.weight, None, torch.float32)
         if self.packed_weight is not None:
