@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(_OPENMP)
 #include <omp.h>
@@ -462,6 +463,121 @@ int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
 #else
     (void)x; (void)x_stride; (void)w_packed; (void)bias; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
     (void)y_f32;
+    return -1;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+/* 32 bytes of packed 4-bit codes -> two vectors of 32 bf16 in dot-product pairs (16 columns x 2 k). Byte j
+ * holds column j / 2's code for k = 4t + j % 2 (low nibble, first vector) and k = 4t + 2 + j % 2 (high
+ * nibble, second). A code v becomes the bf16 bits 0x4300 | v, which is exactly 128 + v: no conversion
+ * instruction; callers subtract 128 * sum(x) (folded into the packed offsets). */
+static inline void int4_codes_to_bf16(const uint8_t *p, __m512bh *lo, __m512bh *hi) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    *lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0xF)), bias);
+    *hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+}
+
+/* One register block of linear_int4_bf16: rows [0, MB) against NG groups of 16 columns (MB * NG <= 8).
+ * Two accumulators per output vector (low / high nibble codes) halve the dot products' dependency chains. */
+static inline __attribute__((always_inline)) void int4_block(
+    const bf16 *x, int64_t x_stride, const float *xsum, int64_t groups, const uint8_t *qp, const float *dp,
+    const float *mp, int64_t K, const int64_t MB, const int64_t NG, __m512 total[4][4]) {
+    const int64_t q_stride = K * 8, s_stride = groups * 16; /* bytes of codes per 16 columns: K * 16 / 2 */
+    for (int64_t i = 0; i < MB; i++)
+        for (int64_t j = 0; j < NG; j++) total[i][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc0[4][4], acc1[4][4];
+        for (int64_t i = 0; i < MB; i++)
+            for (int64_t j = 0; j < NG; j++) acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < NG; j++) /* the next group's codes: 256 bytes per 16 columns */
+            for (int64_t p = 256; p < 512; p += 64) _mm_prefetch((const char *)(qp + j * q_stride + g * 256 + p), _MM_HINT_T0);
+        for (int64_t t = g * 8; t < g * 8 + 8; t++) { /* 4 values of k per step */
+            __m512bh lo[4], hi[4];
+            for (int64_t j = 0; j < NG; j++) int4_codes_to_bf16(qp + j * q_stride + t * 32, &lo[j], &hi[j]);
+            for (int64_t i = 0; i < MB; i++) {
+                int32_t pair0, pair1;
+                memcpy(&pair0, x + i * x_stride + 4 * t, sizeof(pair0));
+                memcpy(&pair1, x + i * x_stride + 4 * t + 2, sizeof(pair1));
+                const __m512bh a0 = (__m512bh)_mm512_set1_epi32(pair0), a1 = (__m512bh)_mm512_set1_epi32(pair1);
+                for (int64_t j = 0; j < NG; j++) {
+                    acc0[i][j] = _mm512_dpbf16_ps(acc0[i][j], a0, lo[j]);
+                    acc1[i][j] = _mm512_dpbf16_ps(acc1[i][j], a1, hi[j]);
+                }
+            }
+        }
+        for (int64_t j = 0; j < NG; j++) {
+            const __m512 d = _mm512_loadu_ps(dp + j * s_stride + g * 16), m = _mm512_loadu_ps(mp + j * s_stride + g * 16);
+            for (int64_t i = 0; i < MB; i++)
+                total[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * groups + g]),
+                                              _mm512_fmadd_ps(d, _mm512_add_ps(acc0[i][j], acc1[i][j]), total[i][j]));
+        }
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) for group-wise 4-bit weights W[n, k] = q[n, k] * d[n, g] + m[n, g]
+ * (g = k / 32; GGUF Q4_1 is this form, Q4_0 has m = -8 d). Packed per 16 output columns (cpu_ops.pack_int4):
+ * q_packed [N/16][K/4][32] bytes (see int4_codes_to_bf16), d and m' = m - 128 d as [N/16][K/32][16] fp32.
+ * The codes enter the dot products as 128 + q (exact in bf16; products exact in fp32), so only x is
+ * rounded, as in the bf16 path. N % 16 == 0, K % 32 == 0. y is bf16, or fp32 when y_f32.
+ * AVX512-BF16 only (returns -1 otherwise; -2 when the row sums cannot be allocated). */
+int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const float *d, const float *m,
+                         const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                         int64_t y_f32) {
+#if defined(__AVX512BF16__)
+    const int64_t groups = K / 32, col_groups = N / 16;
+    float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
+    if (!xsum) return -2;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * 32; k < g * 32 + 32; k++) s += bf16_to_f32(x[i * x_stride + k]);
+            xsum[i * groups + g] = s;
+        }
+#pragma omp parallel if (N * K > 65536)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
+        const int64_t per = ((col_groups + nt - 1) / nt + step - 1) / step * step;
+        const int64_t c_begin = t * per, c_end = (c_begin + per) < col_groups ? (c_begin + per) : col_groups;
+        for (int64_t c0 = c_begin; c0 < c_end; c0 += step) {
+            const int64_t ng = (c_end - c0) < step ? (c_end - c0) : step;
+            const uint8_t *qp = q_packed + c0 * K * 8;
+            const float *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
+                const bf16 *xb = x + m0 * x_stride;
+                const float *xs = xsum + m0 * groups;
+                __m512 total[4][4];
+                if (ng == 2 && mb == 4) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 4, 2, total);
+                else if (ng == 4 && mb == 1) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 1, 4, total);
+                else if (ng == 4 && mb == 2) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 2, 4, total);
+                else int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, mb, ng, total); /* mb * ng <= 8 */
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < ng; j++) {
+                        float v[16];
+                        _mm512_storeu_ps(v, total[i][j]);
+                        const int64_t col = (c0 + j) * 16, at = (m0 + i) * y_stride + col;
+                        for (int64_t c = 0; c < 16; c++) {
+                            const float o = v[c] + (bias ? bf16_to_f32(bias[col + c]) : 0.0f);
+                            if (y_f32) ((float *)y)[at + c] = o;
+                            else ((bf16 *)y)[at + c] = f32_to_bf16(o);
+                        }
+                    }
+            }
+        }
+    }
+    free(xsum);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)q_packed; (void)d; (void)m; (void)bias; (void)y; (void)y_stride; (void)M; (void)N;
+    (void)K; (void)y_f32;
     return -1;
 #endif
 }

@@ -46,6 +46,7 @@ _SIGNATURES = {
     "silu_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
+    "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F),
 }
 
@@ -136,6 +137,8 @@ class CpuKernels:
         self._linear = library.linear_bf16
         self._linear_vnni = library.linear_vnni_bf16
         self._linear_vnni.restype = ctypes.c_int64
+        self._linear_int4 = library.linear_int4_bf16
+        self._linear_int4.restype = ctypes.c_int64
         library.has_native_bf16_dot.restype = ctypes.c_int64
         # Whether `linear` runs on the CPU's bf16 dot-product instructions (else fp32 FMAs, slower than oneDNN).
         self.native_bf16_dot = bool(library.has_native_bf16_dot())
@@ -232,6 +235,45 @@ class CpuKernels:
         if self._linear_vnni(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                              out.data_ptr(), n, rows, n, k, out_dtype == torch.float32):
             raise RuntimeError("linear_vnni: this build has no native bf16 dot product")
+        return out
+
+    @staticmethod
+    def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Group-wise 4-bit weights `w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]` (q uint8
+        0..15 `[N, K]`, scale / offset float `[N, K/32]`) in the form `linear_int4` takes: codes
+        `[N/16, K/4, 32]` uint8 (two codes a byte, see cpu_ops.c) and scale / offset `[N/16, K/32, 16]`
+        fp32 (the offset with the kernel's -128 * scale folded in). None unless N % 16 == 0, K % 32 == 0."""
+        n, k = q.shape
+        if n % 16 or k % 32 or scale.shape != (n, k // 32) or offset.shape != scale.shape:
+            return None
+        # [N/16, 16 columns, K/4 steps, 2 halves (k = 4t + 0..1 | 4t + 2..3), 2 (k within the pair)]
+        codes = q.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)
+        # byte (column c, pair position e) of step t: low nibble k = 4t + e, high nibble k = 4t + 2 + e
+        packed = (codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+
+        def per_column_group(t: torch.Tensor) -> torch.Tensor:
+            return t.float().reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+
+        # The kernel multiplies by 128 + q (see cpu_ops.c): its offsets carry the -128 * scale.
+        return packed.view(n // 16, k // 4, 32), per_column_group(scale), per_column_group(offset - 128.0 * scale)
+
+    def linear_int4(self, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = _BF16) -> torch.Tensor:
+        """x `[M, K]` (bf16 rows, unit stride) times a `pack_int4` weight (+ bias) -> `[M, N]` in bf16 or
+        float32: exact-product sums of codes and x per group, scaled in fp32 (only x is rounded, as in
+        the bf16 path). Needs `native_bf16_dot`."""
+        codes, scale, offset = packed
+        rows, k = x.shape
+        n = codes.shape[0] * 16
+        if x.stride(1) != 1 or codes.shape[1] * 4 != k or (bias is not None and bias.shape[0] != n):
+            raise ValueError(f"linear_int4: x {tuple(x.shape)} does not fit packed codes {tuple(codes.shape)}")
+        out = torch.empty((rows, n), dtype=out_dtype)
+        status = self._linear_int4(x.data_ptr(), x.stride(0), codes.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
+                                   out_dtype == torch.float32)
+        if status:
+            raise RuntimeError("linear_int4: this build has no native bf16 dot product" if status == -1
+                               else "linear_int4: out of memory")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,24 @@ def test_linear_vnni(kernels, rows):
     torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])  # blocks: 1-2 rows x 64 columns, 4 rows x 32
+def test_linear_int4(kernels, rows):
+    gen = torch.Generator().manual_seed(18)
+    q = torch.randint(0, 16, (48, 96), generator=gen, dtype=torch.uint8)
+    scale, offset = torch.rand(48, 3, generator=gen) * 0.1, torch.randn(48, 3, generator=gen) * 0.1
+    packed = kernels.pack_int4(q, scale, offset)
+    assert packed[0].shape == (3, 24, 32) and kernels.pack_int4(q[:40], scale[:40], offset[:40]) is None
+    weight = q.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    x, bias = _rand(rows, 192, seed=19)[:, :96], _rand(48, seed=20)  # strided rows
+    if not kernels.native_bf16_dot:
+        with pytest.raises(RuntimeError, match="no native bf16"):
+            kernels.linear_int4(x, packed)
+        return
+    want = x.float() @ weight.T + bias.float()
+    torch.testing.assert_close(kernels.linear_int4(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
+    assert_rounded_once(kernels.linear_int4(x, packed, bias), want, exact_fraction=0.95)
+
+
 def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window):
     """fp32 SDPA over each sequence's gathered keys / values (the last `window` of them when set)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]

@@ -2,14 +2,13 @@
 
 - `--quantization gguf` with fp32 activations is the file's own weights up to float rounding:
   identical greedy tokens.
-- With bf16 activations (the fast path), and for `--quantization int4` / `int8` of the dequantized
-  checkpoint, issue 10's teacher-forced metric (tests/model/_parity.py) against the fp32 dequantized
-  model, over 12 prompts x 32 positions in CI (gguf and int4; int8 is checked on tiny models in
-  tests/model/quantization/) and issue 10's full 32 prompts x 64 positions for all three with
-  `ASERVE_FULL_PARITY=1` (how the README's numbers are measured): mean KL <= 0.02 and a top-1 floor. Issue 10 asks for top-1 >= 99%
-  (gguf) / 97% (int4, int8); measured (README, *Quantized CPU paths*): plain bf16 activations on the
-  same float weights reach only 98.5%, gguf+bf16 97.8%, int8+bf16 96.3%, so the floors below are what
-  holds today, and the README records the gap.
+- With bf16 activations (the fast path: plain bf16, GGUF's 4-bit layers, `--quantization int4` / `int8`
+  of the dequantized checkpoint), issue 10's teacher-forced metric (tests/model/_parity.py) against the
+  fp32 dequantized model, both as one prefill over prompt + answer and as serving computes it (prompt
+  prefill, then decode steps): over 12 prompts x 32 positions in CI (int8 is checked on tiny models in
+  tests/model/quantization/ there) and issue 10's full 32 prompts x 64 positions with
+  `ASERVE_FULL_PARITY=1` (how the README's numbers are measured). Floors: top-1 >= 99% for plain bf16
+  and GGUF, >= 97% for int4 / int8, mean KL <= 0.02 (README, *Quantized CPU paths*).
 """
 
 from __future__ import annotations
@@ -92,24 +91,26 @@ def test_gguf_fp32_gives_the_dequantized_models_greedy_tokens(folder, reference,
     assert greedy_generate(model, chosen, 10) == greedy_generate(reference, chosen, 10)
 
 
-PARITY_CASES = [("gguf", 0.97), ("int4", 0.97)] + ([("int8", 0.95)] if FULL else [])
+# Issue 10's floors: 99% for plain bf16 and native GGUF, 97% for int4 / int8 of a checkpoint; CI's 12 x 32
+# positions get a little slack (one position is 0.26% there).
+NINETY_NINE = 0.99 if FULL else 0.985
+PARITY_CASES = [(None, NINETY_NINE), ("gguf", NINETY_NINE), ("int4", 0.97)] + ([("int8", 0.97)] if FULL else [])
 
 
 @pytest.mark.parametrize(("quantization", "min_top1"), PARITY_CASES)
 def test_bf16_teacher_forced_parity(folder, prompts, forced, quantization, min_top1):
     sequences, ref_logits = forced
     model = _load(folder, "bfloat16", quantization)
-    assert {layer.quant_method.name for _, layer in linear_layers(model)} == {quantization}
+    if quantization is not None:
+        assert {layer.quant_method.name for _, layer in linear_layers(model)} == {quantization}
     report = parity(_measured(ref_logits, prompts), _measured(all_position_logits(model, sequences), prompts), 0)
     print(f"--quantization {quantization}, bf16 activations vs fp32 dequantized: {report}")
     assert report.num_positions == len(QUESTIONS) * NUM_POSITIONS
     assert report.top1_agreement >= min_top1 and report.mean_kl <= 0.02, str(report)
 
 
-# Serving computes an answer's logits in decode steps, where bf16 CPU paths keep more in float32 (the C
-# kernels' unrounded projection outputs, aserve/model/quantization/cpu_kernel.py); issue 10's 99% holds
-# there for plain bf16 (README, *Quantized CPU paths*). CI's 12 x 32 positions get a little slack.
-DECODE_CASES = [(None, 0.99 if FULL else 0.985), ("gguf", 0.98)]
+# Serving computes an answer's logits in decode steps (other kernel paths than one long prefill).
+DECODE_CASES = [(None, NINETY_NINE), ("gguf", NINETY_NINE)]
 
 
 @pytest.mark.parametrize(("quantization", "min_top1"), DECODE_CASES)

@@ -29,6 +29,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
         self.quant_method: LinearMethodBase = _UNQUANTIZED
         self.quant_method.create_weights(self)
+        # Set by the loader where this layer's output only feeds ops that take float32 rows (the model's
+        # `float_output_modules`, on CPU with aserve's C kernels): a method may then return its unrounded
+        # float32 product instead of x's dtype.
+        self.float_output = False
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Replace the quantization method before weights are loaded: the current method's (unloaded)

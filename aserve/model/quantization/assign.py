@@ -89,8 +89,8 @@ def check_gguf_decoding(gguf: GGUFLinearWeights, prefix: str, reference: torch.T
 
 def use_cpu_linear_forms(model: nn.Module) -> int:
     """After loading, for bf16 models on CPU: the float Linear layers and the LM head multiply in aserve's
-    C kernel where it has native bf16 dot products (`cpu_kernel.py`; the model's `float_output_modules`
-    return float32 from it), else by oneDNN-packed weights where
+    C kernel where it has native bf16 dot products (`cpu_kernel.py`; every Linear named in the model's
+    `float_output_modules` gets `float_output`, which the C-kernel methods honour), else by oneDNN-packed weights where
     oneDNN has bf16 kernels (`cpu_packed.py`); nothing changes otherwise. Returns how many Linear layers
     switched."""
     dtype = getattr(model, "dtype", None)
@@ -102,13 +102,13 @@ def use_cpu_linear_forms(model: nn.Module) -> int:
     if kernels is not None and not kernels.native_bf16_dot:
         kernels = None
     float_outputs = set(getattr(model, "float_output_modules", ()))
+    method: LinearMethodBase = CpuKernelLinearMethod(kernels) if kernels is not None else CpuPackedLinearMethod()
     count = 0
     for name, layer in linear_layers(model):
+        # The consumers' float32 forms are the C kernels: only with them (any method may use it).
+        layer.float_output = kernels is not None and name.rsplit(".", 1)[-1] in float_outputs
         if type(layer.quant_method) is UnquantizedLinearMethod:
-            if kernels is None:
-                layer.quant_method = CpuPackedLinearMethod()
-            else:
-                layer.quant_method = CpuKernelLinearMethod(kernels, name.rsplit(".", 1)[-1] in float_outputs)
+            layer.quant_method = method
             count += 1
     if head is not None:
         if kernels is not None:

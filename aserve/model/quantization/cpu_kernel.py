@@ -10,9 +10,9 @@ oneDNN's pre-packed weights; 27.5 vs 32.1 ms at 16 rows; 88.9 vs 96.9 ms at 64; 
 352 ms). A weight whose shape does not pack (N not a multiple of 16, K odd) keeps the Hugging Face
 layout: `linear_bf16` for up to `KERNEL_MAX_ROWS` rows, `F.linear` beyond.
 
-Results: fp32 accumulation, one rounding; within a bf16 rounding of `F.linear`. Layers the model names
-in `float_output_modules` (their output feeds only an RMSNorm or the gated activation, which take
-float32 rows) return the unrounded float32 product instead.
+Results: fp32 accumulation, one rounding; within a bf16 rounding of `F.linear`. Layers with
+`float_output` (the loader sets it for the model's `float_output_modules`, whose output feeds only an
+RMSNorm or the gated activation, which take float32 rows) return the unrounded float32 product instead.
 """
 
 from __future__ import annotations
@@ -65,14 +65,13 @@ def _(x, packed, bias):
 
 
 class CpuKernelLinearMethod(UnquantizedLinearMethod):
-    """The float weight as loaded, then packed for `linear_vnni` (see the module docstring)."""
+    """The float weight as loaded, then packed for `linear_vnni` (see the module docstring); float32
+    output for layers with `float_output` (2-D rows in eager mode)."""
 
     name = "cpu_bf16_kernel"
 
-    def __init__(self, kernels: CpuKernels, float_output: bool = False):
-        # Shared and immutable: the method keeps no per-layer state.
-        self.kernels = kernels
-        self.out_dtype = torch.float32 if float_output else torch.bfloat16
+    def __init__(self, kernels: CpuKernels):
+        self.kernels = kernels  # shared and immutable: the method keeps no per-layer state
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         packed = self.kernels.pack_vnni(layer.weight.data)
@@ -83,9 +82,10 @@ class CpuKernelLinearMethod(UnquantizedLinearMethod):
         register_weight(layer, "vnni_weight", packed)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out_dtype = torch.float32 if layer.float_output else torch.bfloat16
         packed = getattr(layer, "vnni_weight", None)
         if packed is not None:
-            return packed_linear(self.kernels, x, packed, bias, self.out_dtype)
+            return packed_linear(self.kernels, x, packed, bias, out_dtype)
         if kernel_rows(self.kernels, x):
-            return self.kernels.linear(x, layer.weight, bias, self.out_dtype)
+            return self.kernels.linear(x, layer.weight, bias, out_dtype)
         return F.linear(x, layer.weight, bias)

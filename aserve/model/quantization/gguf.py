@@ -38,7 +38,7 @@ class GGUFInt4Method(LinearMethodBase):
     def process_weights_after_loading(self, layer: Linear) -> None:
         q, scale, zero = layer.qweight.data, layer.scales.data, layer.zeros.data
         drop_weights(layer)
-        pack_int4(layer, q, scale, zero, layer.params_dtype)
+        pack_int4(layer, q, scale, zero, layer.params_dtype, GGUF_GROUP_SIZE)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int4_linear(layer, x, GGUF_GROUP_SIZE, bias)

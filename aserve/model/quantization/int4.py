@@ -29,7 +29,7 @@ class Int4WeightOnlyMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: Linear) -> None:
         q, scale, zero = quantize_int4(layer.weight.data, self.group_size)
         drop_weights(layer)
-        pack_int4(layer, q, scale, zero, layer.params_dtype)
+        pack_int4(layer, q, scale, zero, layer.params_dtype, self.group_size)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int4_linear(layer, x, self.group_size, bias)

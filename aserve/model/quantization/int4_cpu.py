@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels import cpu_ops
+from aserve.kernels.cpu_ops import CpuKernels
 from aserve.model.quantization.base import register_weight
 
 GROUP_SIZE = 32
@@ -56,11 +58,29 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return torch.addcmul(offset3, q.reshape(shape).float(), scale3).reshape(n, k)
 
 
+def _c_kernels(dtype: torch.dtype, group_size: int) -> CpuKernels | None:
+    """aserve's C int4 kernel, where it applies: bf16 activations, groups of 32, native bf16 dot products."""
+    if dtype != torch.bfloat16 or group_size != 32:
+        return None
+    kernels = cpu_ops.load()
+    return kernels if kernels is not None and kernels.native_bf16_dot else None
+
+
 def pack_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-              dtype: torch.dtype) -> None:
-    """Register the kernel's operands on `layer`: `int4_weight` (packed uint8) and `int4_scales_zeros`
-    (`[K/group, N, 2]` in the activation dtype `dtype`); for fp32 also `int4_q`, `int4_scale`,
-    `int4_zero` (the unpacked form, for prompts; see the module docstring)."""
+              dtype: torch.dtype, group_size: int = GROUP_SIZE) -> None:
+    """Register the kernel's operands on `layer`. With bf16 activations where aserve's C kernel applies
+    (`cpu_ops.linear_int4`: groups of 32, AVX512-BF16): `int4_c_codes`, `int4_c_scale`, `int4_c_offset`
+    (its packed form; it computes `sum(q x)` per group exactly and scales in fp32, so only x is rounded,
+    and it is 2x faster than torch's kernel at one row). Otherwise torch's: `int4_weight` (packed uint8)
+    and `int4_scales_zeros` (`[K/group, N, 2]` in the activation dtype `dtype`); for fp32 also `int4_q`,
+    `int4_scale`, `int4_zero` (the unpacked form, for prompts; see the module docstring)."""
+    kernels = _c_kernels(dtype, group_size)
+    if kernels is not None:
+        c_form = kernels.pack_int4(q, scale, zero.float() - 8.0 * scale.float())
+        if c_form is not None:
+            for name, tensor in zip(("int4_c_codes", "int4_c_scale", "int4_c_offset"), c_form, strict=True):
+                register_weight(layer, name, tensor)
+            return
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
     scales_zeros = torch.stack([scale.float(), zero.float()], dim=-1).transpose(0, 1).contiguous().to(dtype)
     register_weight(layer, "int4_weight", packed)
@@ -76,6 +96,14 @@ def int4_linear(layer: torch.nn.Module, x: torch.Tensor, group_size: int, bias: 
     the one given to `pack_int4`."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    codes = getattr(layer, "int4_c_codes", None)
+    if codes is not None:
+        if torch.compiler.is_compiling():  # one opaque op in a compiled graph, bf16 out
+            y = torch.ops.aserve.int4_linear_c(x2, codes, layer.int4_c_scale, layer.int4_c_offset, bias)
+        else:
+            float_out = getattr(layer, "float_output", False) and x.dim() == 2
+            y = _int4_linear_c(x2, codes, layer.int4_c_scale, layer.int4_c_offset, bias, float_out)
+        return y.reshape(*lead, y.shape[-1])
     if x2.dtype == torch.float32 and x2.shape[0] > FP32_KERNEL_MAX_ROWS:
         weight = dequantize_int4(layer.int4_q, layer.int4_scale, layer.int4_zero, group_size)
         return F.linear(x, weight, bias)
@@ -85,3 +113,22 @@ def int4_linear(layer: torch.nn.Module, x: torch.Tensor, group_size: int, bias: 
     if bias is not None:
         y = y.add_(bias)
     return y.reshape(*lead, y.shape[-1])
+
+
+def _int4_linear_c(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                   bias: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
+    kernels = cpu_ops.load()
+    assert kernels is not None, "the C form exists only where the kernels were built"
+    return kernels.linear_int4(x if x.stride(1) == 1 else x.contiguous(), (codes, scale, offset), bias,
+                               torch.float32 if float_out else x.dtype)
+
+
+@torch.library.custom_op("aserve::int4_linear_c", mutates_args=())
+def _int4_linear_c_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    return _int4_linear_c(x, codes, scale, offset, bias)
+
+
+@_int4_linear_c_op.register_fake
+def _(x, codes, scale, offset, bias):
+    return x.new_empty((x.shape[0], codes.shape[0] * 16))

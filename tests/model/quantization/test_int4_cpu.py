@@ -56,6 +56,31 @@ def test_bf16_activations_are_close():
     assert float((got.float() - want).norm() / want.norm()) < 1e-2
 
 
+def test_bf16_with_the_c_kernel_rounds_only_the_activations():
+    """aserve's C int4 kernel (bf16, groups of 32): sums of codes x activations are exact-product fp32 and
+    the group scale is applied in fp32, so it matches fp32 math on the bf16-rounded activations; torch's
+    kernel (scales rounded to bf16, bf16 output) is the fallback elsewhere."""
+    from aserve.kernels import cpu_ops
+
+    kernels = cpu_ops.load()
+    if kernels is None or not kernels.native_bf16_dot:
+        pytest.skip("no C kernel with native bf16 dot products here")
+    w = _weights()
+    q, scale, zero = quantize_int4(w)
+    layer = nn.Module()
+    pack_int4(layer, q, scale, zero, torch.bfloat16)
+    assert hasattr(layer, "int4_c_codes") and not hasattr(layer, "int4_weight")
+    x = torch.randn(9, 96).bfloat16()
+    want = x.float() @ dequantize_int4(q, scale, zero).T
+    torch.testing.assert_close(int4_linear(layer, x, 32, None).float(), want, rtol=2**-8, atol=1e-6)
+    layer.float_output = True
+    got = int4_linear(layer, x, 32, None)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda t: int4_linear(layer, t, 32, None), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x).float(), want, rtol=2**-8, atol=1e-6)
+
+
 def test_packable_shapes():
     assert int4_packable(192, 576) and int4_packable(1536, 576)
     assert not int4_packable(40, 64)  # output rows must come in tiles of 16
