@@ -482,8 +482,8 @@ static inline void int4_codes_to_bf16(const uint8_t *p, __m512bh *lo, __m512bh *
 /* One register block of linear_int4_bf16: rows [0, MB) against NG groups of 16 columns (MB * NG <= 8).
  * Two accumulators per output vector (low / high nibble codes) halve the dot products' dependency chains. */
 static inline __attribute__((always_inline)) void int4_block(
-    const bf16 *x, int64_t x_stride, const float *xsum, int64_t groups, const uint8_t *qp, const float *dp,
-    const float *mp, int64_t K, const int64_t MB, const int64_t NG, __m512 total[4][4]) {
+    const bf16 *x, int64_t x_stride, const float *xsum, int64_t groups, const uint8_t *qp, const uint16_t *dp,
+    const uint16_t *mp, int64_t K, const int64_t MB, const int64_t NG, __m512 total[4][4]) {
     const int64_t q_stride = K * 8, s_stride = groups * 16; /* bytes of codes per 16 columns: K * 16 / 2 */
     for (int64_t i = 0; i < MB; i++)
         for (int64_t j = 0; j < NG; j++) total[i][j] = _mm512_setzero_ps();
@@ -492,7 +492,7 @@ static inline __attribute__((always_inline)) void int4_block(
         for (int64_t i = 0; i < MB; i++)
             for (int64_t j = 0; j < NG; j++) acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
         for (int64_t j = 0; j < NG; j++) /* the next group's codes: 256 bytes per 16 columns */
-            for (int64_t p = 256; p < 512; p += 64) _mm_prefetch((const char *)(qp + j * q_stride + g * 256 + p), _MM_HINT_T0);
+            for (int64_t p = 2048; p < 2048 + 256; p += 64) _mm_prefetch((const char *)(qp + j * q_stride + g * 256 + p), _MM_HINT_T0);
         for (int64_t t = g * 8; t < g * 8 + 8; t++) { /* 4 values of k per step */
             __m512bh lo[4], hi[4];
             for (int64_t j = 0; j < NG; j++) int4_codes_to_bf16(qp + j * q_stride + t * 32, &lo[j], &hi[j]);
@@ -508,7 +508,9 @@ static inline __attribute__((always_inline)) void int4_block(
             }
         }
         for (int64_t j = 0; j < NG; j++) {
-            const __m512 d = _mm512_loadu_ps(dp + j * s_stride + g * 16), m = _mm512_loadu_ps(mp + j * s_stride + g * 16);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + j * s_stride + g * 16)));
+            const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, /* m - 128 d: the codes entered as 128 + q */
+                                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + j * s_stride + g * 16))));
             for (int64_t i = 0; i < MB; i++)
                 total[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * groups + g]),
                                               _mm512_fmadd_ps(d, _mm512_add_ps(acc0[i][j], acc1[i][j]), total[i][j]));
@@ -519,11 +521,12 @@ static inline __attribute__((always_inline)) void int4_block(
 
 /* y [M, N] = x [M, K] @ W^T (+ bias) for group-wise 4-bit weights W[n, k] = q[n, k] * d[n, g] + m[n, g]
  * (g = k / 32; GGUF Q4_1 is this form, Q4_0 has m = -8 d). Packed per 16 output columns (cpu_ops.pack_int4):
- * q_packed [N/16][K/4][32] bytes (see int4_codes_to_bf16), d and m' = m - 128 d as [N/16][K/32][16] fp32.
- * The codes enter the dot products as 128 + q (exact in bf16; products exact in fp32), so only x is
- * rounded, as in the bf16 path. N % 16 == 0, K % 32 == 0. y is bf16, or fp32 when y_f32.
+ * q_packed [N/16][K/4][32] bytes (see int4_codes_to_bf16), d and m as [N/16][K/32][16] fp16 (GGUF's own
+ * precision; half the bytes of fp32, which matters when streaming). The codes enter the dot products as
+ * 128 + q (exact in bf16; products exact in fp32) and m - 128 d is applied in fp32, so only x is rounded,
+ * as in the bf16 path. N % 16 == 0, K % 32 == 0. y is bf16, or fp32 when y_f32.
  * AVX512-BF16 only (returns -1 otherwise; -2 when the row sums cannot be allocated). */
-int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const float *d, const float *m,
+int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d, const uint16_t *m,
                          const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                          int64_t y_f32) {
 #if defined(__AVX512BF16__)
@@ -549,7 +552,7 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
         for (int64_t c0 = c_begin; c0 < c_end; c0 += step) {
             const int64_t ng = (c_end - c0) < step ? (c_end - c0) : step;
             const uint8_t *qp = q_packed + c0 * K * 8;
-            const float *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
+            const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
                 const bf16 *xb = x + m0 * x_stride;

@@ -119,6 +119,10 @@ def _log_once(level: int, message: str) -> None:
     logger.log(level, message)
 
 
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.float().half().float(), t.float()))
+
+
 class CpuKernels:
     """Typed wrappers over the compiled library (see cpu_ops.c for each contract).
 
@@ -242,7 +246,8 @@ class CpuKernels:
         """Group-wise 4-bit weights `w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]` (q uint8
         0..15 `[N, K]`, scale / offset float `[N, K/32]`) in the form `linear_int4` takes: codes
         `[N/16, K/4, 32]` uint8 (two codes a byte, see cpu_ops.c) and scale / offset `[N/16, K/32, 16]`
-        fp32 (the offset with the kernel's -128 * scale folded in). None unless N % 16 == 0, K % 32 == 0."""
+        fp16. None unless N % 16 == 0, K % 32 == 0 and every scale and offset is exact in fp16 (GGUF's
+        Q4_0 / Q4_1 are; `quantize_int4` rounds its own to fp16)."""
         n, k = q.shape
         if n % 16 or k % 32 or scale.shape != (n, k // 32) or offset.shape != scale.shape:
             return None
@@ -252,10 +257,11 @@ class CpuKernels:
         packed = (codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
 
         def per_column_group(t: torch.Tensor) -> torch.Tensor:
-            return t.float().reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+            return t.half().reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
 
-        # The kernel multiplies by 128 + q (see cpu_ops.c): its offsets carry the -128 * scale.
-        return packed.view(n // 16, k // 4, 32), per_column_group(scale), per_column_group(offset - 128.0 * scale)
+        if not (_fp16_exact(scale) and _fp16_exact(offset)):
+            return None
+        return packed.view(n // 16, k // 4, 32), per_column_group(scale), per_column_group(offset)
 
     def linear_int4(self, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
                     out_dtype: torch.dtype = _BF16) -> torch.Tensor:

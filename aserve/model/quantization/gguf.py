@@ -2,9 +2,10 @@
 
 The loader fills, per layer, `qweight` (uint8 `[N, K]`, values 0..15), `scales` and `zeros` (fp32
 `[N, K/32]`) decoded from the file's blocks (`gguf_reader.GGUFLinearWeights.int4_components`) in the
-form `w = (q - 8) * scale + zero`; after loading they are packed for `_weight_int4pack_mm_for_cpu`.
+form `w = (q - 8) * scale + zero`; after loading they are packed for a 4-bit kernel (`int4_cpu.py`).
 With fp32 activations the layer computes the file's dequantized weight to float rounding; with bf16
-activations the scales and zeros are rounded to bf16 (the fast path).
+activations (the fast path) aserve's C kernel rounds only the activations where it is built, torch's
+kernel also rounds the scales and zeros to bf16 elsewhere.
 """
 
 from __future__ import annotations

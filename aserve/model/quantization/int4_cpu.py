@@ -1,11 +1,15 @@
-"""Group-wise 4-bit weights on CPU: torch's `_weight_int4pack_mm_for_cpu` and the packing it needs.
+"""Group-wise 4-bit weights on CPU: aserve's C kernel (`cpu_ops.linear_int4`) for bf16 activations where
+it is built (AVX512-BF16, groups of 32, fp16-exact scales), else torch's `_weight_int4pack_mm_for_cpu`,
+and the packing each needs.
 
 The kernel's weight form, per output row `n` and group `g` of `group_size` input columns:
 `w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]` with `q` in 0..15. GGUF's Q4_1 (`d * q + m`)
 is that form with `scale = d, zero = m + 8 d`, and Q4_0 (`d * (q - 8)`) with `zero = 0`; group-wise
 min/max quantization of a float weight produces it too (`quantize_int4`).
 
-The kernel computes in the activation dtype, and its scales/zeros must be in that dtype: with bf16
+aserve's kernel multiplies the codes exactly and applies each group's scale and offset in fp32 (only
+the activations are rounded); it may return float32 for layers with `float_output`. torch's kernel
+computes in the activation dtype, and its scales/zeros must be in that dtype: with bf16
 activations it is the fast path (scales rounded to bf16); with fp32 activations it reproduces the
 dequantized weight to float rounding, but its cost grows with every row (about 5 ms per row for a
 576 x 1536 weight), so for fp32 activations `pack_int4` also keeps the unpacked codes and batches
@@ -37,15 +41,27 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[t
     """Asymmetric min/max quantization of `weight [N, K]` per group of `group_size` columns.
 
     Returns `(q uint8 [N, K] in 0..15, scale fp32 [N, K/group], zero fp32 [N, K/group])` in the
-    kernel's form (see the module docstring); a constant group gets scale 0 and is exact.
+    kernel's form (see the module docstring), with the scale and the group minimum exact in fp16; a
+    constant group gets scale 0 and is exact.
     """
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = (hi - lo) / 15.0
+    # Scale and minimum in fp16 (as GGUF's Q4_1 stores them; aserve's C kernel streams them at that
+    # width), rounded outwards so the group's range stays covered.
+    lo = _to_fp16(lo, -1)
+    scale = _to_fp16((hi - lo) / 15.0, +1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = ((w - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.uint8)
     return q.reshape(n, k), scale, lo + 8.0 * scale
+
+
+def _to_fp16(x: torch.Tensor, direction: int) -> torch.Tensor:
+    """`x` rounded to a float16 value, never below it (`direction` +1) or above it (-1); as float32."""
+    rounded = x.half().float()
+    wrong = rounded < x if direction > 0 else rounded > x
+    nudged = (x + direction * x.abs() * 2**-10).half().float()
+    return torch.where(wrong, nudged, rounded)
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
