@@ -1,16 +1,18 @@
 """aserve's C kernels for the CPU decode step (bf16 activations), built at first use and called via ctypes.
 
 Each op of a decode layer that is not a matmul (residual add + RMSNorm, rotary, SiLU-and-mul, paged
-decode attention that reads the KV blocks in place) is one C call instead of 5-20 torch ops: on CPU a
-decode step at batch 1 is mostly per-op overhead outside the matmuls (measured on 2 vCPUs: 11.9 of a
-30 ms bf16 step). Source: `cpu_ops.c` next to this file, compiled with the system C compiler
-(`$CC`, else `cc`) for this CPU (`-march=native`) into `$ASERVE_CACHE_DIR/kernels` (default
-`~/.cache/aserve/kernels`), keyed by source, compiler, flags and CPU, so later starts only load it.
+decode attention that reads the KV blocks in place) is one C call instead of 5-20 torch ops (a bf16
+step at batch 1 was mostly per-op overhead: 11.9 of 30 ms on 2 vCPUs), and the matrix products
+(bf16 weights packed in K-pairs, group-wise 4-bit weights) run on the CPU's bf16 dot-product
+instructions. Sources: `cpu_ops.c` (small ops) and `cpu_matmul.c` (matrix products), sharing
+`cpu_common.h`, next to this file; compiled with the system C compiler (`$CC`, else `cc`) for this CPU
+(`-march=native`) into `$ASERVE_CACHE_DIR/kernels` (default `~/.cache/aserve/kernels`), keyed by source,
+compiler, flags and CPU, so later starts only load it (~1 s the first time).
 
 `load()` returns None (and the layers keep their torch forms) when there is no compiler, the build
-fails, `ASERVE_CPU_KERNELS=0` or `ASERVE_FORCE_NATIVE_OPS=1`; the reason is logged once. The wrappers here check shapes, dtypes
-and strides; the C side trusts them. Results agree with the torch forms up to one bf16 rounding
-(fp32 inside, one rounding per output).
+fails, `ASERVE_CPU_KERNELS=0` or `ASERVE_FORCE_NATIVE_OPS=1`; the reason is logged once. The wrappers
+here check what keeps the C side inside its buffers; the C side trusts them. Results are fp32 inside
+with one rounding per output.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "ASERVE_CPU_KERNELS"  # "0": never build or use the C kernels
 FORCE_NATIVE_ENV = "ASERVE_FORCE_NATIVE_OPS"  # "1": every op in its pure-torch form (model/layers/custom_op.py)
 CACHE_ENV = "ASERVE_CACHE_DIR"
-_SOURCE = Path(__file__).with_name("cpu_ops.c")
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c")  # both include cpu_common.h
+_HEADER = _HERE / "cpu_common.h"
 _FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 _BF16 = torch.bfloat16
@@ -63,7 +67,7 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str, cache_dir: Path, march: str) -> Path:
     flags = [*_FLAGS, f"-march={march}"]
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
@@ -74,7 +78,8 @@ def _build(compiler: str, cache_dir: Path, march: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)  # concurrent builders each write their own
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
+                       check=True)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -1,0 +1,67 @@
+#ifndef ASERVE_CPU_COMMON_H
+#define ASERVE_CPU_COMMON_H
+
+/* Shared by aserve's CPU kernels (cpu_ops.c: the decode step's small ops; cpu_matmul.c: matrix products).
+ *
+ * Built at first use by aserve/kernels/cpu_ops.py (`cc -O3 -march=native -fopenmp -shared`), loaded with
+ * ctypes; the Python side checks shapes, dtypes and contiguity, so these functions trust their input.
+ * Arithmetic is fp32 inside with one rounding to bf16 per output (round to nearest even, as torch).
+ * OpenMP here shares torch's runtime (the .so is loaded after torch's libgomp), so it uses torch's
+ * thread count and pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t bf16;
+
+#if defined(__AVX512F__)
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+static inline float bf16_to_f32(bf16 h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* exp(x): Cody-Waite range reduction and a degree-6 polynomial, within ~2 ulp of expf for
+ * x in [-87, 88] (0 below, inf above); plain arithmetic, so the loops that call it vectorize. */
+static inline float fast_exp(float x) {
+    if (x < -87.0f) return 0.0f;
+    if (x > 88.0f) return INFINITY;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#endif /* ASERVE_CPU_COMMON_H */

@@ -1,0 +1,285 @@
+/* aserve's CPU matrix products for bf16 activations: y = x @ W^T for bf16 weights (Hugging Face layout,
+ * or packed in K-pairs) and for group-wise 4-bit weights. Built and loaded by cpu_ops.py, which checks
+ * shapes; these functions trust their input.
+ */
+#include "cpu_common.h"
+
+/* sums[i][j] = x[i] . w[j] for i < mb, j < nb (x rows x_stride apart, w rows K apart). MB / NB are
+ * compile-time bounds where inlined with constants (the accumulators then live in registers). */
+static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64_t x_stride, const bf16 *w,
+                                                            int64_t K, const int64_t mb, const int64_t nb,
+                                                            const bf16 *prefetch, float sums[4][4]) {
+#if defined(__AVX512BF16__)
+    if (K % 32 == 0) {
+        __m512 acc[4][4];
+        for (int64_t i = 0; i < mb; i++)
+            for (int64_t j = 0; j < nb; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512bh wv[4];
+            for (int64_t j = 0; j < nb; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+            if (prefetch) /* the rows after these: 4 lines per step of 32 columns */
+                for (int64_t p = 0; p < 128; p += 32) _mm_prefetch((const char *)(prefetch + k * 4 + p), _MM_HINT_T0);
+            for (int64_t i = 0; i < mb; i++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + k);
+                for (int64_t j = 0; j < nb; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+            }
+        }
+        for (int64_t i = 0; i < mb; i++)
+            for (int64_t j = 0; j < nb; j++) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+        return;
+    }
+#endif
+    (void)prefetch;
+    for (int64_t i = 0; i < mb; i++)
+        for (int64_t j = 0; j < nb; j++) {
+            const bf16 *xr = x + i * x_stride, *wr = w + j * K;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t k = 0; k < K; k++) dot += bf16_to_f32(xr[k]) * bf16_to_f32(wr[k]);
+            sums[i][j] = dot;
+        }
+}
+
+#define LINEAR_PREFETCH_ROWS 8
+
+/* y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]); bf16 in and out, fp32 accumulation, one rounding.
+ * x rows have stride x_stride, y rows y_stride (elements); w is contiguous (Hugging Face layout). y is
+ * float32 (no rounding) when y_f32 is non-zero. Output
+ * rows are split across threads; each thread streams its own contiguous part of w once, 4 rows at a
+ * time, against every row of x (so w is read from memory once whatever M is). */
+void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bias, void *y, int64_t y_stride,
+                 int64_t M, int64_t N, int64_t K, int64_t y_f32) {
+#pragma omp parallel if (N * K > 65536)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t per = ((N + nt - 1) / nt + 3) / 4 * 4;
+        const int64_t n_begin = t * per, n_end = (n_begin + per) < N ? (n_begin + per) : N;
+        for (int64_t n0 = n_begin; n0 < n_end; n0 += 4) {
+            const int64_t nb = (n_end - n0) < 4 ? (n_end - n0) : 4;
+            const bf16 *wb = w + n0 * K;
+            const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= n_end) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
+                float sums[4][4];
+                const bf16 *xb = x + m0 * x_stride;
+                if (nb == 4 && mb == 4) dot_block(xb, x_stride, wb, K, 4, 4, m0 ? NULL : prefetch, sums);
+                else if (nb == 4 && mb == 1) dot_block(xb, x_stride, wb, K, 1, 4, prefetch, sums);
+                else if (nb == 4 && mb == 2) dot_block(xb, x_stride, wb, K, 2, 4, m0 ? NULL : prefetch, sums);
+                else dot_block(xb, x_stride, wb, K, mb, nb, m0 ? NULL : prefetch, sums);
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < nb; j++) {
+                        const float v = sums[i][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f);
+                        const int64_t at = (m0 + i) * y_stride + n0 + j;
+                        if (y_f32) ((float *)y)[at] = v;
+                        else ((bf16 *)y)[at] = f32_to_bf16(v);
+                    }
+            }
+        }
+    }
+}
+
+/* 1 when this build multiplies bf16 with the CPU's native bf16 dot product (AVX512-BF16), else 0
+ * (then linear_bf16 converts to fp32 and is slower than oneDNN: callers keep oneDNN there). */
+int64_t has_native_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+/* One register block of linear_vnni_bf16: rows [0, MB) of x against NG groups of 16 output columns. */
+static inline __attribute__((always_inline)) void vnni_block(const bf16 *x, int64_t x_stride, const bf16 *wp,
+                                                             int64_t K, const int64_t MB, const int64_t NG,
+                                                             __m512 acc[6][4]) {
+    const int64_t pairs = K / 2, group_stride = pairs * 32;
+    for (int64_t i = 0; i < MB; i++)
+        for (int64_t j = 0; j < NG; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        __m512bh b[4];
+        for (int64_t j = 0; j < NG; j++) b[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_stride + kp * 32);
+        for (int64_t i = 0; i < MB; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * x_stride + 2 * kp, sizeof(pair));
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int64_t j = 0; j < NG; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+        }
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) with W pre-packed in pairs along K ("VNNI" layout): w_packed is
+ * [N / 16][K / 2][16][2] bf16 (pack with cpu_ops.pack_vnni), N % 16 == 0, K even. Register blocks of
+ * 6 rows x 64 columns accumulate with one broadcast x pair per 16-column dot product (no horizontal
+ * sums); each thread owns a contiguous range of columns, so every weight byte is read once per 6 rows
+ * from cache and once from memory. y is bf16, or fp32 when y_f32. AVX512-BF16 only (returns -1 otherwise). */
+int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
+                         int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
+#if defined(__AVX512BF16__)
+    const int64_t groups = N / 16;
+#pragma omp parallel if (N * K > 65536)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t per = (groups + nt - 1) / nt;
+        const int64_t g_begin = t * per, g_end = (g_begin + per) < groups ? (g_begin + per) : groups;
+        for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
+            const int64_t ng = (g_end - g0) < 4 ? (g_end - g0) : 4;
+            const bf16 *wp = w_packed + g0 * (K / 2) * 32;
+            for (int64_t m0 = 0; m0 < M; m0 += 6) {
+                const int64_t mb = (M - m0) < 6 ? (M - m0) : 6;
+                const bf16 *xb = x + m0 * x_stride;
+                __m512 acc[6][4];
+                if (ng == 4 && mb == 6) vnni_block(xb, x_stride, wp, K, 6, 4, acc);
+                else if (ng == 4 && mb == 1) vnni_block(xb, x_stride, wp, K, 1, 4, acc);
+                else if (ng == 4 && mb == 2) vnni_block(xb, x_stride, wp, K, 2, 4, acc);
+                else if (ng == 4 && mb == 4) vnni_block(xb, x_stride, wp, K, 4, 4, acc);
+                else vnni_block(xb, x_stride, wp, K, mb, ng, acc);
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < ng; j++) {
+                        float v[16];
+                        _mm512_storeu_ps(v, acc[i][j]);
+                        const int64_t col = (g0 + j) * 16;
+                        const int64_t at = (m0 + i) * y_stride + col;
+                        for (int64_t c = 0; c < 16; c++) {
+                            const float o = v[c] + (bias ? bf16_to_f32(bias[col + c]) : 0.0f);
+                            if (y_f32) ((float *)y)[at + c] = o;
+                            else ((bf16 *)y)[at + c] = f32_to_bf16(o);
+                        }
+                    }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)w_packed; (void)bias; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
+    (void)y_f32;
+    return -1;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+/* 32 bytes of packed 4-bit codes -> two vectors of 32 bf16 in dot-product pairs (16 columns x 2 k). Byte j
+ * holds column j / 2's code for k = 4t + j % 2 (low nibble, first vector) and k = 4t + 2 + j % 2 (high
+ * nibble, second). A code v becomes the bf16 bits 0x4300 | v, which is exactly 128 + v: no conversion
+ * instruction; callers subtract 128 * sum(x) (folded into the packed offsets). */
+static inline void int4_codes_to_bf16(const uint8_t *p, __m512bh *lo, __m512bh *hi) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    *lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0xF)), bias);
+    *hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+}
+
+/* One register block of linear_int4_bf16: rows [0, MB) against NG groups of 16 columns (MB * NG <= 8).
+ * Two accumulators per output vector (low / high nibble codes) halve the dot products' dependency chains. */
+static inline __attribute__((always_inline)) void int4_block(
+    const bf16 *x, int64_t x_stride, const float *xsum, int64_t groups, const uint8_t *qp, const uint16_t *dp,
+    const uint16_t *mp, int64_t K, const int64_t MB, const int64_t NG, __m512 total[4][4]) {
+    const int64_t q_stride = K * 8, s_stride = groups * 16; /* bytes of codes per 16 columns: K * 16 / 2 */
+    for (int64_t i = 0; i < MB; i++)
+        for (int64_t j = 0; j < NG; j++) total[i][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc0[4][4], acc1[4][4];
+        for (int64_t i = 0; i < MB; i++)
+            for (int64_t j = 0; j < NG; j++) acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < NG; j++) /* the next group's codes: 256 bytes per 16 columns */
+            for (int64_t p = 2048; p < 2048 + 256; p += 64) _mm_prefetch((const char *)(qp + j * q_stride + g * 256 + p), _MM_HINT_T0);
+        for (int64_t t = g * 8; t < g * 8 + 8; t++) { /* 4 values of k per step */
+            __m512bh lo[4], hi[4];
+            for (int64_t j = 0; j < NG; j++) int4_codes_to_bf16(qp + j * q_stride + t * 32, &lo[j], &hi[j]);
+            for (int64_t i = 0; i < MB; i++) {
+                int32_t pair0, pair1;
+                memcpy(&pair0, x + i * x_stride + 4 * t, sizeof(pair0));
+                memcpy(&pair1, x + i * x_stride + 4 * t + 2, sizeof(pair1));
+                const __m512bh a0 = (__m512bh)_mm512_set1_epi32(pair0), a1 = (__m512bh)_mm512_set1_epi32(pair1);
+                for (int64_t j = 0; j < NG; j++) {
+                    acc0[i][j] = _mm512_dpbf16_ps(acc0[i][j], a0, lo[j]);
+                    acc1[i][j] = _mm512_dpbf16_ps(acc1[i][j], a1, hi[j]);
+                }
+            }
+        }
+        for (int64_t j = 0; j < NG; j++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dp + j * s_stride + g * 16)));
+            const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, /* m - 128 d: the codes entered as 128 + q */
+                                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + j * s_stride + g * 16))));
+            for (int64_t i = 0; i < MB; i++)
+                total[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[i * groups + g]),
+                                              _mm512_fmadd_ps(d, _mm512_add_ps(acc0[i][j], acc1[i][j]), total[i][j]));
+        }
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) for group-wise 4-bit weights W[n, k] = q[n, k] * d[n, g] + m[n, g]
+ * (g = k / 32; GGUF Q4_1 is this form, Q4_0 has m = -8 d). Packed per 16 output columns (cpu_ops.pack_int4):
+ * q_packed [N/16][K/4][32] bytes (see int4_codes_to_bf16), d and m as [N/16][K/32][16] fp16 (GGUF's own
+ * precision; half the bytes of fp32, which matters when streaming). The codes enter the dot products as
+ * 128 + q (exact in bf16; products exact in fp32) and m - 128 d is applied in fp32, so only x is rounded,
+ * as in the bf16 path. N % 16 == 0, K % 32 == 0. y is bf16, or fp32 when y_f32.
+ * AVX512-BF16 only (returns -1 otherwise; -2 when the row sums cannot be allocated). */
+int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d, const uint16_t *m,
+                         const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
+                         int64_t y_f32) {
+#if defined(__AVX512BF16__)
+    const int64_t groups = K / 32, col_groups = N / 16;
+    float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
+    if (!xsum) return -2;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * 32; k < g * 32 + 32; k++) s += bf16_to_f32(x[i * x_stride + k]);
+            xsum[i * groups + g] = s;
+        }
+#pragma omp parallel if (N * K > 65536)
+    {
+#if defined(_OPENMP)
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int64_t nt = 1, t = 0;
+#endif
+        const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
+        const int64_t per = ((col_groups + nt - 1) / nt + step - 1) / step * step;
+        const int64_t c_begin = t * per, c_end = (c_begin + per) < col_groups ? (c_begin + per) : col_groups;
+        for (int64_t c0 = c_begin; c0 < c_end; c0 += step) {
+            const int64_t ng = (c_end - c0) < step ? (c_end - c0) : step;
+            const uint8_t *qp = q_packed + c0 * K * 8;
+            const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
+                const bf16 *xb = x + m0 * x_stride;
+                const float *xs = xsum + m0 * groups;
+                __m512 total[4][4];
+                if (ng == 2 && mb == 4) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 4, 2, total);
+                else if (ng == 4 && mb == 1) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 1, 4, total);
+                else if (ng == 4 && mb == 2) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 2, 4, total);
+                else int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, mb, ng, total); /* mb * ng <= 8 */
+                for (int64_t i = 0; i < mb; i++)
+                    for (int64_t j = 0; j < ng; j++) {
+                        float v[16];
+                        _mm512_storeu_ps(v, total[i][j]);
+                        const int64_t col = (c0 + j) * 16, at = (m0 + i) * y_stride + col;
+                        for (int64_t c = 0; c < 16; c++) {
+                            const float o = v[c] + (bias ? bf16_to_f32(bias[col + c]) : 0.0f);
+                            if (y_f32) ((float *)y)[at + c] = o;
+                            else ((bf16 *)y)[at + c] = f32_to_bf16(o);
+                        }
+                    }
+            }
+        }
+    }
+    free(xsum);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)q_packed; (void)d; (void)m; (void)bias; (void)y; (void)y_stride; (void)M; (void)N;
+    (void)K; (void)y_f32;
+    return -1;
+#endif
+}
