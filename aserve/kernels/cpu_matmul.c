@@ -4,6 +4,28 @@
  */
 #include "cpu_common.h"
 
+/* This thread's share [*begin, *end) of `units` output units, cut in whole multiples of `multiple`
+ * (call inside a parallel region; each thread then streams its own contiguous part of the weight). */
+static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin, int64_t *end) {
+#if defined(_OPENMP)
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    const int64_t per = ((units + nt - 1) / nt + multiple - 1) / multiple * multiple;
+    *begin = t * per < units ? t * per : units;
+    *end = (*begin + per) < units ? (*begin + per) : units;
+}
+
+/* y[at + c] = v[c] (+ bias[c]) for c < n, as fp32 when y_f32, else rounded to bf16. */
+static inline void store_outputs(void *y, int64_t at, const float *v, const bf16 *bias, int64_t n, int64_t y_f32) {
+    for (int64_t c = 0; c < n; c++) {
+        const float o = v[c] + (bias ? bf16_to_f32(bias[c]) : 0.0f);
+        if (y_f32) ((float *)y)[at + c] = o;
+        else ((bf16 *)y)[at + c] = f32_to_bf16(o);
+    }
+}
+
 /* sums[i][j] = x[i] . w[j] for i < mb, j < nb (x rows x_stride apart, w rows K apart). MB / NB are
  * compile-time bounds where inlined with constants (the accumulators then live in registers). */
 static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64_t x_stride, const bf16 *w,
@@ -51,13 +73,8 @@ void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bia
                  int64_t M, int64_t N, int64_t K, int64_t y_f32) {
 #pragma omp parallel if (N * K > 65536)
     {
-#if defined(_OPENMP)
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int64_t nt = 1, t = 0;
-#endif
-        const int64_t per = ((N + nt - 1) / nt + 3) / 4 * 4;
-        const int64_t n_begin = t * per, n_end = (n_begin + per) < N ? (n_begin + per) : N;
+        int64_t n_begin, n_end;
+        thread_share(N, 4, &n_begin, &n_end);
         for (int64_t n0 = n_begin; n0 < n_end; n0 += 4) {
             const int64_t nb = (n_end - n0) < 4 ? (n_end - n0) : 4;
             const bf16 *wb = w + n0 * K;
@@ -71,12 +88,7 @@ void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bia
                 else if (nb == 4 && mb == 2) dot_block(xb, x_stride, wb, K, 2, 4, m0 ? NULL : prefetch, sums);
                 else dot_block(xb, x_stride, wb, K, mb, nb, m0 ? NULL : prefetch, sums);
                 for (int64_t i = 0; i < mb; i++)
-                    for (int64_t j = 0; j < nb; j++) {
-                        const float v = sums[i][j] + (bias ? bf16_to_f32(bias[n0 + j]) : 0.0f);
-                        const int64_t at = (m0 + i) * y_stride + n0 + j;
-                        if (y_f32) ((float *)y)[at] = v;
-                        else ((bf16 *)y)[at] = f32_to_bf16(v);
-                    }
+                    store_outputs(y, (m0 + i) * y_stride + n0, sums[i], bias ? bias + n0 : NULL, nb, y_f32);
             }
         }
     }
@@ -93,6 +105,18 @@ int64_t has_native_bf16_dot(void) {
 }
 
 #if defined(__AVX512BF16__)
+/* Rows [m0, m0 + mb) x columns [col0, col0 + 16 ng) of y from register blocks acc[i][j] (16 columns each). */
+static inline void store_blocks(void *y, int64_t y_stride, int64_t m0, int64_t col0, __m512 acc[][4], int64_t mb,
+                                int64_t ng, const bf16 *bias, int64_t y_f32) {
+    for (int64_t i = 0; i < mb; i++)
+        for (int64_t j = 0; j < ng; j++) {
+            float v[16];
+            _mm512_storeu_ps(v, acc[i][j]);
+            const int64_t col = col0 + j * 16;
+            store_outputs(y, (m0 + i) * y_stride + col, v, bias ? bias + col : NULL, 16, y_f32);
+        }
+}
+
 /* One register block of linear_vnni_bf16: rows [0, MB) of x against NG groups of 16 output columns. */
 static inline __attribute__((always_inline)) void vnni_block(const bf16 *x, int64_t x_stride, const bf16 *wp,
                                                              int64_t K, const int64_t MB, const int64_t NG,
@@ -124,13 +148,8 @@ int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
     const int64_t groups = N / 16;
 #pragma omp parallel if (N * K > 65536)
     {
-#if defined(_OPENMP)
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int64_t nt = 1, t = 0;
-#endif
-        const int64_t per = (groups + nt - 1) / nt;
-        const int64_t g_begin = t * per, g_end = (g_begin + per) < groups ? (g_begin + per) : groups;
+        int64_t g_begin, g_end;
+        thread_share(groups, 1, &g_begin, &g_end);
         for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
             const int64_t ng = (g_end - g0) < 4 ? (g_end - g0) : 4;
             const bf16 *wp = w_packed + g0 * (K / 2) * 32;
@@ -143,18 +162,7 @@ int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
                 else if (ng == 4 && mb == 2) vnni_block(xb, x_stride, wp, K, 2, 4, acc);
                 else if (ng == 4 && mb == 4) vnni_block(xb, x_stride, wp, K, 4, 4, acc);
                 else vnni_block(xb, x_stride, wp, K, mb, ng, acc);
-                for (int64_t i = 0; i < mb; i++)
-                    for (int64_t j = 0; j < ng; j++) {
-                        float v[16];
-                        _mm512_storeu_ps(v, acc[i][j]);
-                        const int64_t col = (g0 + j) * 16;
-                        const int64_t at = (m0 + i) * y_stride + col;
-                        for (int64_t c = 0; c < 16; c++) {
-                            const float o = v[c] + (bias ? bf16_to_f32(bias[col + c]) : 0.0f);
-                            if (y_f32) ((float *)y)[at + c] = o;
-                            else ((bf16 *)y)[at + c] = f32_to_bf16(o);
-                        }
-                    }
+                store_blocks(y, y_stride, m0, g0 * 16, acc, mb, ng, bias, y_f32);
             }
         }
     }
@@ -240,14 +248,9 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
         }
 #pragma omp parallel if (N * K > 65536)
     {
-#if defined(_OPENMP)
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-        const int64_t nt = 1, t = 0;
-#endif
         const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
-        const int64_t per = ((col_groups + nt - 1) / nt + step - 1) / step * step;
-        const int64_t c_begin = t * per, c_end = (c_begin + per) < col_groups ? (c_begin + per) : col_groups;
+        int64_t c_begin, c_end;
+        thread_share(col_groups, step, &c_begin, &c_end);
         for (int64_t c0 = c_begin; c0 < c_end; c0 += step) {
             const int64_t ng = (c_end - c0) < step ? (c_end - c0) : step;
             const uint8_t *qp = q_packed + c0 * K * 8;
@@ -261,17 +264,7 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
                 else if (ng == 4 && mb == 1) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 1, 4, total);
                 else if (ng == 4 && mb == 2) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 2, 4, total);
                 else int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, mb, ng, total); /* mb * ng <= 8 */
-                for (int64_t i = 0; i < mb; i++)
-                    for (int64_t j = 0; j < ng; j++) {
-                        float v[16];
-                        _mm512_storeu_ps(v, total[i][j]);
-                        const int64_t col = (c0 + j) * 16, at = (m0 + i) * y_stride + col;
-                        for (int64_t c = 0; c < 16; c++) {
-                            const float o = v[c] + (bias ? bf16_to_f32(bias[col + c]) : 0.0f);
-                            if (y_f32) ((float *)y)[at + c] = o;
-                            else ((bf16 *)y)[at + c] = f32_to_bf16(o);
-                        }
-                    }
+                store_blocks(y, y_stride, m0, c0 * 16, total, mb, ng, bias, y_f32);
             }
         }
     }
