@@ -5,8 +5,10 @@ budget (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`)
 go first (a decode is one token; a running request still prefilling gets a chunk), then swapped
 requests are swapped back in, then waiting requests are admitted (fcfs: arrival order, the batch
 shared fairly between clients, see `fair_queue`; priority: lower `priority` first, then arrival).
-When a running request cannot get blocks, the lowest-ranked running request is preempted
-(recompute, or swap when configured) and the allocation retried.
+When a running request cannot get blocks, a running request is preempted (recompute, or swap when
+configured) and the allocation retried: under fcfs the latest admitted request of the client holding
+the most running requests (a flooding client loses memory first; with one client, the last running
+request); under priority the lowest-ranked one (`_victim_index`).
 
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run);
 `update()` appends the sampled tokens and applies the stop rules. The protocol with the runner is
@@ -15,6 +17,7 @@ described in `aserve.core.batch`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
@@ -258,10 +261,20 @@ class Scheduler:
         return leader.num_computed_tokens >= leader.num_prompt_tokens
 
     def _victim_index(self) -> int:
+        """The index in `running` of the request to preempt when a running request cannot get blocks
+        (recompute and swap alike); `running` is not empty.
+
+        fcfs: the request latest in `running` (latest admitted) of the client (`client_id`) holding
+        the most running requests, so a client flooding the batch gives up its memory before another
+        client's request is touched; between clients with equal counts, the one owning the request
+        latest in `running`. With a single client this is the last running request. priority: explicit
+        priorities decide, clients do not: the largest `priority` value, then the latest arrival, then
+        the latest in `running`. O(len(running)).
+        """
         running = self.running
-        if not self.priority_policy:
-            return len(running) - 1
-        return max(range(len(running)), key=lambda j: (running[j].priority, running[j].arrival_time, j))
+        if self.priority_policy:
+            return max(range(len(running)), key=lambda j: (running[j].priority, running[j].arrival_time, j))
+        return _fair_share_victim_index(running)
 
     def _preempt(self, idx: int, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
                  swap_out: list[tuple[int, int]]) -> int:
@@ -385,3 +398,10 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (nothing done) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+
+def _fair_share_victim_index(running: list[Request]) -> int:
+    """The index of the last request in `running` whose client holds the most requests in `running`."""
+    num_running = Counter(req.client_id for req in running)
+    most = max(num_running.values())
+    return next(j for j in range(len(running) - 1, -1, -1) if num_running[running[j].client_id] == most)

@@ -147,13 +147,14 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_batched
 
 def make_request(req_id: str, prompt: list[int] | int, *, max_tokens: int | None = 4, eos: tuple[int, ...] = (),
                  arrival_time: float | None = None, priority: int = 0, max_model_len: int | None = None,
-                 wait_for_req_id: str | None = None, share_prefix: bool = False, **params) -> Request:
+                 wait_for_req_id: str | None = None, share_prefix: bool = False, client_id: str | None = None,
+                 **params) -> Request:
     if isinstance(prompt, int):
         prompt = [(i * 5 + 1) % VOCAB for i in range(prompt)]
     return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
                    eos_token_ids=eos, arrival_time=0.0 if arrival_time is None else arrival_time,
                    priority=priority, wait_for_req_id=wait_for_req_id, max_model_len=max_model_len,
-                   share_prefix=share_prefix)
+                   share_prefix=share_prefix, client_id=client_id)
 
 
 class Driver:

@@ -1,3 +1,5 @@
+from collections import Counter
+
 import pytest
 
 from aserve.core.batch import RunnerOutput, TokenLogprobs
@@ -180,6 +182,81 @@ def test_priority_victim_is_the_lowest_priority_even_if_already_scheduled():
     assert so.total_num_scheduled_tokens == 2
     d.run()
     assert d.tokens["low"] == reference_outputs(make_request("x", 3).prompt_token_ids, 5, 16)
+
+
+def _record_victims(s):
+    """Wraps `s._victim_index`; returns a list that gets, per preemption, (victim, running at that moment)."""
+    victims = []
+    choose = s._victim_index
+
+    def recording_victim_index():
+        idx = choose()
+        victims.append((s.running[idx], list(s.running)))
+        return idx
+
+    s._victim_index = recording_victim_index
+    return victims
+
+
+def _flood_then_one(s, *, client_a, client_b, max_tokens=10):
+    """Key A's three requests are admitted in the first step, key B's one in the second (last in running).
+    Each prompt fills one block of 4; each request's first decode needs a second block."""
+    for i in range(3):
+        s.add_request(make_request(f"a{i}", 4, max_tokens=max_tokens, client_id=client_a))
+    d = Driver(s)
+    d.step()
+    s.add_request(make_request("b0", 4, max_tokens=max_tokens, client_id=client_b))
+    return d
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_takes_from_the_client_with_the_most_running_requests(mode):
+    # 7 usable blocks: four requests at 1 block each, then growing by decode to 2-3 blocks each.
+    s = make_scheduler(num_blocks=8, block_size=4, enable_prefix_caching=False, preemption_mode=mode,
+                       num_cpu_blocks=16 if mode == "swap" else 0)
+    victims = _record_victims(s)
+    d = _flood_then_one(s, client_a="key-a", client_b="key-b")
+    saw_swap_out = False
+    while s.has_unfinished_requests():
+        so, _ = d.step()
+        saw_swap_out |= bool(so.blocks_to_swap_out)
+    assert victims, "the KV cache was never short"
+    assert [v.request_id for v, _ in victims] == ["a2", "a1"]
+    assert saw_swap_out == (mode == "swap")
+    for victim, running in victims:
+        num_running = Counter(r.client_id for r in running)
+        assert victim.client_id == "key-a" and num_running["key-a"] > num_running["key-b"]
+        assert victim is [r for r in running if r.client_id == "key-a"][-1]  # A's latest admitted
+        assert running[-1].request_id == "b0"  # the old rule (last running) would have taken B's
+    assert s.get_request("b0") is None and d.tokens["b0"] == reference_outputs(
+        make_request("x", 4).prompt_token_ids, 10, 64)
+    assert all(d.tokens[rid] == d.tokens["b0"] for rid in ("a0", "a1", "a2"))
+
+
+@pytest.mark.parametrize("client", [None, "key-a"])
+def test_with_a_single_client_the_victim_is_the_last_running_request(client):
+    s = make_scheduler(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    victims = _record_victims(s)
+    d = _flood_then_one(s, client_a=client, client_b=client)
+    so, _ = d.step()  # b0 admitted: all 7 blocks used
+    so, _ = d.step()  # b0's first decode needs a block: it is last, so it preempts itself
+    assert "b0" not in so.scheduled_req_ids and s.get_request("b0").status == RequestStatus.PREEMPTED
+    d.run()
+    assert victims and all(victim is running[-1] for victim, running in victims)
+    assert victims[0][0].request_id == "b0"
+
+
+def test_fcfs_victim_ties_between_clients_go_to_the_latest_running_request():
+    s = make_scheduler()
+
+    def victim_of(*ids):
+        s.running = [make_request(rid, 4, client_id=rid[0]) for rid in ids]
+        return s.running[s._victim_index()].request_id
+
+    assert victim_of("a0", "a1", "b0") == "a1"  # a holds the most
+    assert victim_of("a0", "b0", "a1", "b1") == "b1"  # 2 each: b owns the latest
+    assert victim_of("a0", "b0", "b1", "a1") == "a1"
+    assert victim_of("b0", "a0", "a1", "a2", "b1") == "a2"
 
 
 # -- abort / finish -----------------------------------------------------------------------------
