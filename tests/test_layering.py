@@ -26,7 +26,7 @@ FORBIDDEN = {
     "runner": ["aserve.core.scheduler", "aserve.core.kv_cache_manager", "aserve.engine", "aserve.server"],
     "executor": ["aserve.server", "aserve.engine"],
     "engine": ["torch", "starlette", "aserve.server", "aserve.model.", "aserve.runner"],
-    "server": ["torch", "triton", "aserve.model.", "aserve.runner", "aserve.kernels", "aserve.executor"],
+    "server": ["torch", "triton", "aserve.core", "aserve.model.", "aserve.runner", "aserve.kernels", "aserve.executor"],
 }
 
 

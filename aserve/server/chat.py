@@ -270,6 +270,7 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
 
     done = False
     pipelines: dict[int, ChoiceOutput] = {}
+    held_logprobs: dict[int, list[Any]] = {}  # per choice: logprobs of a feed that gave no chunk
     try:
         first = [
             chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
@@ -296,6 +297,13 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
                 pipeline = pipelines.get(c.index) or pipelines.setdefault(c.index, job.plan.new_choice(job.prompt))
                 if pipeline.active:
                     parts = pipeline.feed(c.text) + (pipeline.finish() if finished else [])
+                    if c.index in held_logprobs:  # logprobs of text the parsers held back come first
+                        earlier = held_logprobs.pop(c.index)
+                        logprobs = ChatLogprobs(content=earlier + (logprobs.content if logprobs else []))
+                    if not parts and not finished:
+                        if logprobs is not None:
+                            held_logprobs[c.index] = logprobs.content
+                        continue
                     for k, part in enumerate(parts):
                         last = finished and k == len(parts) - 1
                         events.append(chunk([ChatChunkChoice(

@@ -74,7 +74,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = "inva
     return APIError(400, message, param=param, code=code)
 
 
-def overloaded(message: str, retry_after_s: int = 1) -> APIError:
+def overloaded(message: str, retry_after_s: int) -> APIError:
     """A 429 for a request over an admission cap: the client should retry after `retry_after_s`."""
     return APIError(429, message, code="queue_full", headers={"Retry-After": str(retry_after_s)})
 

@@ -17,7 +17,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from aserve.core.stats import SchedulerStats
+from aserve.engine.stats import SchedulerStats
 from aserve.engine.stats import IterationStats
 
 logger = logging.getLogger("aserve.server.stats")

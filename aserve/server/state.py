@@ -24,6 +24,7 @@ from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
 from aserve.server.errors import APIError, RequestFailed, overloaded
 from aserve.server.metrics import PrometheusStatLogger
+from aserve.server.retry_after import DrainRate
 
 logger = logging.getLogger("aserve.server")
 
@@ -105,6 +106,7 @@ class ServerState:
     tokenizer: Any
     renderer: ChatRenderer
     metrics: PrometheusStatLogger
+    drain_rate: DrainRate
     system_fingerprint: str
     version: str
     max_prompt_chars: int | None = None
@@ -140,6 +142,7 @@ class ServerState:
             tokenizer=tokenizer,
             renderer=ChatRenderer(tokenizer, template),
             metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len),
+            drain_rate=DrainRate(),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
             max_prompt_chars=max_prompt_chars,
@@ -209,15 +212,30 @@ class ServerState:
             return
         num_samples = params.num_samples
         if max_reqs and num_reqs + num_samples > max_reqs:
-            raise overloaded(f"the server is at capacity: {num_reqs} requests queued or running "
-                             f"(--max-num-queued-reqs {max_reqs}); retry later")
+            raise self.queue_full(num_reqs)
         if max_tokens:
             num_prompt = len(prompt_token_ids)
             if params.truncate_prompt_tokens is not None:
                 num_prompt = min(num_prompt, params.truncate_prompt_tokens)
             if num_tokens + num_samples * num_prompt > max_tokens:
                 raise overloaded(f"the server is at capacity: {num_tokens} prompt tokens queued "
-                                 f"(--max-num-queued-tokens {max_tokens}); retry later")
+                                 f"(--max-num-queued-tokens {max_tokens}); retry later",
+                                 self.drain_rate.retry_after_s(num_reqs, num_tokens))
+
+    def check_queue_not_full(self) -> None:
+        """The early form of the --max-num-queued-reqs cap, before the body is read: a 429 when the
+        queue is already at the cap (no request could be admitted, whatever its body)."""
+        max_reqs = self.args.max_num_queued_reqs
+        if max_reqs:
+            num_reqs, _ = self.engine.queued_load(False)
+            if num_reqs >= max_reqs:
+                raise self.queue_full(num_reqs)
+
+    def queue_full(self, num_reqs: int) -> APIError:
+        """The 429 for --max-num-queued-reqs, with Retry-After from the recent drain rate."""
+        return overloaded(f"the server is at capacity: {num_reqs} requests queued or running "
+                          f"(--max-num-queued-reqs {self.args.max_num_queued_reqs}); retry later",
+                          self.drain_rate.retry_after_s(num_reqs))
 
     def request_deadline(self) -> float | None:
         """When a request arriving now times out (anyio clock), or None without --request-timeout."""

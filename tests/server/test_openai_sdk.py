@@ -9,7 +9,16 @@ import httpx
 import openai
 import pytest
 
-from tests.server.server_harness import CHATML_USER, MODEL, expected_text, last_added
+from tests.server.server_harness import (
+    CHATML_USER,
+    MODEL,
+    expected_text,
+    last_added,
+    quiet_args,
+    recording_engine,
+    running_server,
+)
+from tests.support.fake_model import FakeModel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,6 +204,49 @@ def test_chat_logprobs(client, engine, tokenizer):
         assert len(e.top_logprobs) == 2
         assert e.top_logprobs[0].token == e.token  # the fake's sampled token has rank 1
         assert e.bytes == list(e.token.encode())
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+REQUIRED_TOOLS = [{"type": "function", "function": {"name": name, "parameters": CITY}} for name in ("a", "b")]
+CUT_CALLS = '[{"name": "a", "parameters": {"city": "Oslo"}}, {"name": "b", "parameters": {"city": "Ro'
+
+
+@pytest.fixture(scope="module")
+def cut_calls_client(model_folder, tokenizer):
+    """A server whose fake model writes CUT_CALLS first (its tools prompt needs more than 256 tokens)."""
+    fake = FakeModel.for_folder(model_folder)
+    fake.script = tokenizer.encode(CUT_CALLS, add_special_tokens=False)
+    def make():
+        return recording_engine(model_folder, fake, max_model_len=1024)
+
+    with running_server(make, quiet_args()) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as c:
+        yield c, len(fake.script)
+
+
+def test_required_tool_calls_cut_by_max_tokens_stream_as_they_answer(cut_calls_client):
+    """tool_choice "required" cut by max_tokens inside its second call: the stream carries only the call
+    that completed, as the non-streamed answer does, and every token's logprobs (those of the held-back
+    text ride on a later chunk)."""
+    client, num_tokens = cut_calls_client
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "tools": REQUIRED_TOOLS,
+          "tool_choice": "required", "max_tokens": num_tokens, "logprobs": True, "temperature": 0}
+    full = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert full.finish_reason == "length" and full.message.content is None
+    expected = [("a", '{"city": "Oslo"}')]
+    assert [(c.function.name, c.function.arguments) for c in full.message.tool_calls] == expected
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            if tc.id:
+                calls[tc.index] = [tc.function.name, ""]
+            calls[tc.index][1] += tc.function.arguments or ""
+    assert [tuple(c) for c in calls.values()] == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+    assert not any(c.choices[0].delta.content for c in chunks)
+    streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in full.logprobs.content] and len(streamed) == num_tokens
 
 
 def test_chat_extra_vllm_fields_reach_sampling_params(client, engine):

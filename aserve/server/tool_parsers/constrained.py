@@ -104,13 +104,51 @@ def tool_call_json_schema(
 
 
 class RequiredToolChoiceParser(JsonArrayToolParser):
-    """Reads the output of the "required" grammar: `[{"name": ..., "parameters": {...}}, ...]`."""
+    """Reads the output of the "required" grammar: `[{"name": ..., "parameters": {...}}, ...]`.
+
+    Streaming holds each call back (its header and argument fragments) until the call object is
+    complete, then releases it as a header and one fragment with the whole arguments. So a call
+    that breaks (the output ends inside it, as when max_tokens cuts it, or its JSON is invalid) was
+    never streamed and can be taken back, as `extract` does: after calls that completed, it and
+    the rest of the output are dropped; as the first call, it is given back as content, raw (an
+    early failure in `base.py`'s terms). `failed` stays False: nothing broken is ever sent.
+    """
 
     name = "required"
 
     def __init__(self, **kwargs) -> None:
         super().__init__(marker=None, args_keys=("parameters",), **kwargs)
         self._kwargs = kwargs
+        self._call_start = 0  # where the open call's deltas start in `_out`
+        self._dropping = False  # a call broke after calls that completed: the rest is dropped
+
+    def _step(self, text: str, i: int) -> int:
+        return len(text) if self._dropping else super()._step(text, i)
+
+    def _sync_call(self) -> None:
+        if not self._header_sent:
+            self._call_start = len(self._out)
+        super()._sync_call()
+
+    def _take(self) -> list[StreamDelta]:
+        out = self._out
+        if self._reader is not None and self._header_sent:  # an open call: hold its deltas back
+            out, self._out = out[: self._call_start], out[self._call_start :]
+            self._call_start = 0
+        else:
+            self._out = []
+        return _merge_fragments(out)
+
+    def _fail_late(self) -> None:
+        del self._out[self._call_start :]  # the broken call's held deltas: never sent
+        self._num_calls -= 1
+        self._header_sent = False
+        if self._section_calls:
+            self._section_raw = []
+            self._dropping = True
+        else:
+            self._give_back_section()
+            self._after_early_failure()
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """As the base class; but an output cut short (max_tokens) inside a later call keeps the calls
@@ -119,6 +157,20 @@ class RequiredToolChoiceParser(JsonArrayToolParser):
         if complete is not None and complete != text.strip():
             return type(self)(**self._kwargs).extract(complete)
         return super().extract(text)
+
+
+def _merge_fragments(deltas: list[StreamDelta]) -> list[StreamDelta]:
+    """Consecutive argument fragments of the same call merged into one delta."""
+    out: list[StreamDelta] = []
+    for d in deltas:
+        last = out[-1].tool_calls[0] if out and out[-1].tool_calls else None
+        tc = d.tool_calls[0] if d.tool_calls else None
+        if tc and last and not tc.is_header and not last.is_header and tc.index == last.index:
+            merged = ToolCallDelta(index=tc.index, arguments=last.arguments + tc.arguments)
+            out[-1] = StreamDelta(tool_calls=(merged,))
+        else:
+            out.append(d)
+    return out
 
 
 def _complete_calls_prefix(text: str) -> str | None:

@@ -146,3 +146,61 @@ def test_named_stream_sends_the_header_first():
     assert len(first) == 1 and first[0].tool_calls[0].name == "now"
     assert parser.feed("{}")[0].tool_calls[0].to_openai() == {"index": 0, "function": {"arguments": "{}"}}
     assert parser.finish() == []
+
+
+CUT = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": "unfinish'
+
+
+def _two_and_three_way_splits(text: str):
+    yield list(text)
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+        for j in range(i, len(text) + 1, 3):
+            yield [text[:i], text[i:j], text[j:]]
+
+
+def test_required_stream_cut_by_max_tokens_carries_the_calls_extract_keeps():
+    content, calls = RequiredToolChoiceParser().extract(CUT)
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}')]
+    for chunks in _two_and_three_way_splits(CUT):
+        streamed = replay(RequiredToolChoiceParser, chunks)  # also checks the stream's shape
+        assert streamed.calls == [(c.name, c.arguments) for c in calls], chunks
+        assert streamed.content is None and not streamed.failed, chunks
+
+
+def test_required_stream_never_sends_a_header_before_its_call_completes():
+    """A call's deltas are held until its object closes, so a cut never leaves a started call behind."""
+    complete = CUT.index("}}") + 2  # where call "a" closes
+    for chunks in _two_and_three_way_splits(CUT):
+        parser, fed = RequiredToolChoiceParser(), 0
+        for chunk in chunks:
+            fed += len(chunk)
+            deltas = parser.feed(chunk)
+            names = [tc.name for d in deltas for tc in d.tool_calls if tc.is_header]
+            assert names == (["a"] if fed >= complete > fed - len(chunk) else []), chunks
+        assert parser.finish() == [], chunks
+        assert parser.num_calls == 1
+
+
+@pytest.mark.parametrize("text", [
+    # invalid JSON (no grammar) after a call that completed: dropped with the rest, as extract does
+    '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y": 1]}',
+    '[{"name": "b", "parameters": {"y": "unf',  # broken first call: content, raw, as extract says
+    '[{"name": "b", "parameters": {"y": 1]} tail',
+])
+def test_required_stream_drops_a_broken_call_as_extract_does(text):
+    whole = assert_split_invariant(RequiredToolChoiceParser, text)
+    assert not whole.failed and "b" not in [name for name, _ in whole.calls]
+
+
+def test_required_complete_output_streams_every_call_once_complete():
+    text = '[{"name": "a", "parameters": {"x": [1, {"z": "}"}]}}, {"name": "b", "parameters": {}}]'
+    result = assert_split_invariant(RequiredToolChoiceParser, text)
+    assert (result.content, result.calls) == (None, [("a", '{"x": [1, {"z": "}"}]}'), ("b", "{}")])
+    parser = RequiredToolChoiceParser()
+    deltas = parser.feed(text) + parser.finish()
+    # each call comes as its header and one fragment with the whole arguments
+    assert [tc.to_openai()["function"] for d in deltas for tc in d.tool_calls] == [
+        {"name": "a", "arguments": ""}, {"arguments": '{"x": [1, {"z": "}"}]}'},
+        {"name": "b", "arguments": ""}, {"arguments": "{}"},
+    ]
