@@ -2,9 +2,9 @@
 
 Covers both spellings transformers has used (`rope_parameters` in transformers 5, `rope_theta` /
 `rope_scaling` before), per-family defaults (Qwen2's q/k/v bias, Mistral's sliding window), and the
-context length the checkpoint supports. A config this engine cannot serve faithfully (an
-architecture without a model class, or sliding windows on only some layers) raises `ConfigError`
-naming the key, at start-up rather than as wrong outputs later.
+context length the checkpoint supports, and each layer's attention window. A config this engine
+cannot serve faithfully raises `ConfigError` naming the key, at start-up rather than as wrong
+outputs later.
 """
 
 from __future__ import annotations
@@ -18,17 +18,23 @@ from aserve.config.errors import ConfigError
 
 # The architectures aserve/model/models/registry.py implements (it checks that the lists agree); kept
 # here as plain strings so a config is rejected before any torch import or model download.
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                     "Qwen3ForCausalLM"})
 
-# transformers' Qwen2Config default: layers with index >= max_window_layers use the sliding window.
-_QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
+# transformers' Qwen2/Qwen3 default: layers with index >= max_window_layers use the sliding window.
+_QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+_QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Families whose attention honours `sliding_window`, with the default of their `use_sliding_window`
+# switch; transformers' Llama ignores the key, and so do we.
+_USE_SLIDING_WINDOW_DEFAULT = {"MistralForCausalLM": True, "Qwen2ForCausalLM": False, "Qwen3ForCausalLM": False}
 
 
 @dataclass(frozen=True)
 class ArchConfig:
     """The model's architecture, read from its config.json (plus overrides).
 
-    `sliding_window` is the window every layer uses, or None when no layer uses one.
+    `layer_sliding_windows` holds each layer's attention window (None: full attention); layers of
+    one model may differ (Qwen2's `max_window_layers`, `layer_types`).
     """
 
     architecture: str
@@ -49,17 +55,17 @@ class ArchConfig:
     torch_dtype: str | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None
+    layer_sliding_windows: tuple[int | None, ...] = ()
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: full attention)."""
+        return self.layer_sliding_windows[layer] if self.layer_sliding_windows else None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], hf_overrides: dict[str, Any] | None = None, *,
                      disable_sliding_window: bool = False) -> ArchConfig:
-        """Parse config.json's dict (`hf_overrides` merged on top).
-
-        Raises ConfigError naming `layer_types` / `max_window_layers` when some layers would use a
-        sliding window and others not (per-layer windows are not implemented), unless
-        `disable_sliding_window` drops the window from every layer.
-        """
+        """Parse config.json's dict (`hf_overrides` merged on top); `disable_sliding_window` gives
+        every layer full attention."""
         cfg = {**cfg, **(hf_overrides or {})}
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = int(cfg["num_attention_heads"])
@@ -86,7 +92,7 @@ class ArchConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=None if disable_sliding_window else _uniform_sliding_window(cfg, arch),
+            layer_sliding_windows=() if disable_sliding_window else tuple(layer_sliding_windows(cfg, arch)),
         )
 
 
@@ -104,37 +110,29 @@ def read_hf_config(model_path: str) -> dict[str, Any]:
 def layer_sliding_windows(cfg: dict[str, Any], architecture: str) -> list[int | None]:
     """Each layer's sliding window (None = full attention), with transformers' semantics.
 
-    The window applies only if `use_sliding_window` (default True for Mistral, False otherwise) and
-    `sliding_window` is set. Mistral applies it to every layer. Qwen2 applies it to the layers whose
-    `layer_types` entry is "sliding_attention"; without `layer_types`, to layers with index >=
-    `max_window_layers` (default 28).
+    A window applies only to the families that honour it, if `sliding_window` is set and
+    `use_sliding_window` allows it (default True for Mistral, False for Qwen2/Qwen3). `layer_types`
+    ("sliding_attention" / "full_attention" per layer) decides which layers use it where present;
+    otherwise Qwen2/Qwen3 apply it to layers with index >= `max_window_layers` (default 28) and
+    Mistral to every layer.
     """
     n = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", architecture == "MistralForCausalLM") else None
+    switch_default = _USE_SLIDING_WINDOW_DEFAULT.get(architecture)
+    window = cfg.get("sliding_window") if switch_default is not None else None
+    if not cfg.get("use_sliding_window", switch_default):
+        window = None
     if not window:
         return [None] * n
-    if architecture != "Qwen2ForCausalLM":
-        return [int(window)] * n
     layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        first = int(cfg.get("max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS))
+    if layer_types is None and architecture in _QWEN_ARCHITECTURES:
+        first = int(cfg.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if layer_types is None:
+        return [int(window)] * n
+    if len(layer_types) != n:
+        raise ConfigError(f"--model: config.json's layer_types has {len(layer_types)} entries for "
+                          f"num_hidden_layers={n}")
     return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
-
-
-def _uniform_sliding_window(cfg: dict[str, Any], architecture: str) -> int | None:
-    windows = set(layer_sliding_windows(cfg, architecture))
-    if len(windows) <= 1:
-        return windows.pop() if windows else None
-    if cfg.get("layer_types") is not None:
-        kinds = sorted(set(cfg["layer_types"]))
-        raise ConfigError(f"--model: config.json's layer_types mixes {kinds}; per-layer sliding windows are "
-                          "not implemented yet (--disable-sliding-window serves it with full attention)")
-    raise ConfigError(
-        f"--model: config.json's max_window_layers={cfg.get('max_window_layers', _QWEN2_DEFAULT_MAX_WINDOW_LAYERS)} "
-        f"< num_hidden_layers={cfg['num_hidden_layers']} with use_sliding_window: only the later layers use the "
-        "sliding window, and per-layer sliding windows are not implemented yet "
-        "(--disable-sliding-window serves it with full attention)")
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

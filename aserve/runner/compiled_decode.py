@@ -34,6 +34,7 @@ class CompiledDecode:
         self.sizes = frozenset(sizes)
         self.kv_caches = kv_caches
         self.block_size = kv_caches[0].shape[2]
+        self.sliding_window = model.uniform_sliding_window()  # one decode mask serves every layer
         self._compiled = torch.compile(model, backend=compile_backend, dynamic=False, fullgraph=True)
 
     def can_run(self, meta: AttentionMetadata, num_rows: int) -> bool:
@@ -41,7 +42,8 @@ class CompiledDecode:
         return (meta.num_decodes == meta.num_seqs == meta.num_tokens == num_rows and num_rows in self.sizes)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._call(input_ids, positions, decode_inputs(meta, self.kv_caches[0], self.backend))
+        inputs = decode_inputs(meta, self.kv_caches[0], self.backend, self.sliding_window)
+        return self._call(input_ids, positions, inputs)
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(inputs.block_ids, 0)

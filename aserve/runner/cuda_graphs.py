@@ -55,13 +55,12 @@ class CudaGraphRunner:
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], sizes: list[int], max_blocks: int,
-                 max_seq_len_to_capture: int, device: torch.device, sliding_window: int | None):
+                 max_seq_len_to_capture: int, device: torch.device):
         self.forward = forward
         self.sizes = sizes
         self.max_blocks = max_blocks
         self.max_seq_len_to_capture = max_seq_len_to_capture
         self.device = device
-        self.sliding_window = sliding_window
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
         n = sizes[-1]
@@ -83,7 +82,6 @@ class CudaGraphRunner:
             seq_lens=self._seq_lens[:size], block_tables=self._block_tables[:size],
             max_query_len=1, max_seq_len=self.max_seq_len_to_capture,
             query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[self.max_seq_len_to_capture] * size,
-            sliding_window=self.sliding_window,
         )
 
     @torch.inference_mode()

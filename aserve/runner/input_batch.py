@@ -51,7 +51,6 @@ def build_model_inputs(
     num_scheduled_tokens: list[int],
     block_size: int,
     device: torch.device,
-    sliding_window: int | None = None,
     pad_to_num_seqs: int | None = None,
 ) -> ModelInputs:
     """Pack one step. `pad_to_num_seqs` pads a decode-only batch to a fixed size (graphs / static shapes):
@@ -114,7 +113,6 @@ def build_model_inputs(
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
         query_start_loc_cpu=query_start_loc.tolist(),
         seq_lens_cpu=seq_lens32.tolist(),
-        sliding_window=sliding_window,
     )
 
     sample_req_ids: list[str] = []

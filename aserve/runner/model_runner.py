@@ -172,7 +172,7 @@ class ModelRunner:
         # No sequence outgrows max_model_len: a smaller cap keeps the captured decode work small.
         max_len = min(self.config.runner.max_seq_len_to_capture, self.config.model.max_model_len)
         self.graph_runner = CudaGraphRunner(
-            self.model, self.static_sizes, self.max_blocks_per_seq, max_len, self.device, self.arch.sliding_window)
+            self.model, self.static_sizes, self.max_blocks_per_seq, max_len, self.device)
         seconds = self.graph_runner.capture()
         logger.info("Captured CUDA graphs for decode batch sizes %s in %.1fs", self.static_sizes, seconds)
 
@@ -232,7 +232,7 @@ class ModelRunner:
         if static and all(n == 1 for n in num_tokens):
             pad_to = padded_size(self.static_sizes, len(req_ids))
         return build_model_inputs(self.states, req_ids, num_tokens, self.block_size, self.device,
-                                  self.arch.sliding_window, pad_to_num_seqs=pad_to)
+                                  pad_to_num_seqs=pad_to)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         meta = inputs.meta

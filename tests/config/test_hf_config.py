@@ -71,30 +71,37 @@ MIXED = [
 
 @pytest.mark.parametrize("keys, window", UNIFORM)
 def test_qwen2_uniform_windows_are_served(keys, window):
-    assert ArchConfig.from_hf_dict({**QWEN2, **keys}).sliding_window == window
+    assert ArchConfig.from_hf_dict({**QWEN2, **keys}).layer_sliding_windows == (window,) * 4
 
 
 @pytest.mark.parametrize("keys, key", MIXED)
-def test_qwen2_windows_on_some_layers_are_refused_naming_the_key(keys, key):
-    with pytest.raises(ConfigError, match=f"^--model: config.json's {key}"):
-        ArchConfig.from_hf_dict({**QWEN2, **keys})
-    assert ArchConfig.from_hf_dict({**QWEN2, **keys}, disable_sliding_window=True).sliding_window is None
+def test_qwen2_windows_on_some_layers_are_served_per_layer(keys, key):
+    windows = ArchConfig.from_hf_dict({**QWEN2, **keys}).layer_sliding_windows
+    assert set(windows) == {None, 16} and len(windows) == 4
+    assert ArchConfig.from_hf_dict({**QWEN2, **keys}, disable_sliding_window=True).layer_sliding_windows == ()
 
 
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3"])
 @pytest.mark.parametrize("keys", [p.values[0] for p in UNIFORM + MIXED])
-def test_layer_windows_match_transformers(keys):
-    """The per-layer rule is transformers' own: Qwen2Config.layer_types with its sliding_window."""
+def test_layer_windows_match_transformers(keys, family):
+    """The per-layer rule is transformers' own: <Family>Config.layer_types with its sliding_window."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2Config(**{**QWEN2, **keys})
+    cfg = getattr(transformers, f"{family}Config")(**{**QWEN2, **keys})
     want = [cfg.sliding_window if kind == "sliding_attention" else None for kind in cfg.layer_types]
-    assert layer_sliding_windows({**QWEN2, **keys}, "Qwen2ForCausalLM") == want
+    assert layer_sliding_windows({**QWEN2, **keys}, f"{family}ForCausalLM") == want
+
+
+def test_layer_types_of_the_wrong_length_are_refused():
+    keys = {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention"] * 3}
+    with pytest.raises(ConfigError, match="^--model: config.json's layer_types has 3 entries"):
+        ArchConfig.from_hf_dict({**QWEN2, **keys})
 
 
 def test_mistral_windows_every_layer_by_default_and_llama_never():
     mistral = {**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 32}
-    assert ArchConfig.from_hf_dict(mistral).sliding_window == 32
-    assert ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).sliding_window is None
-    assert ArchConfig.from_hf_dict({**BASE, "sliding_window": 32}).sliding_window is None
+    assert ArchConfig.from_hf_dict(mistral).layer_sliding_windows == (32,) * 4
+    assert ArchConfig.from_hf_dict({**mistral, "sliding_window": None}).layer_sliding_windows == (None,) * 4
+    assert ArchConfig.from_hf_dict({**BASE, "sliding_window": 32}).layer_sliding_windows == (None,) * 4
 
 
 def test_read_hf_config_names_the_model_flag(tmp_path):

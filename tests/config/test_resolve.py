@@ -49,10 +49,10 @@ def test_chunked_prefill_off_needs_a_budget_for_the_models_context(model_dir):
 
 @pytest.mark.parametrize("overrides, kwargs, flag", [
     ({}, dict(max_model_len=513), "--max-model-len"),
-    ({"architectures": ["GPT2LMHeadModel"]}, {}, "--model"),
+    ({"architectures": ["FalconForCausalLM"]}, {}, "--model"),
     ({}, dict(device="cuda"), "--device"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64,
-      "max_window_layers": 1}, {}, "--model"),
+      "layer_types": ["sliding_attention"]}, {}, "--model"),
 ])
 def test_checks_that_need_the_model_or_device(write_model_dir, overrides, kwargs, flag):
     path = write_model_dir(**overrides)
@@ -69,12 +69,12 @@ def test_rope_scaling_extends_the_context(model_dir):
 
 def test_disable_sliding_window_caps_the_context_at_the_window(write_model_dir):
     path = write_model_dir(architectures=["MistralForCausalLM"], sliding_window=128)
-    assert EngineArgs(model=path).create_config().model.arch.sliding_window == 128
+    assert EngineArgs(model=path).create_config().model.arch.layer_sliding_windows == (128,) * 2
     cfg = EngineArgs(model=path, disable_sliding_window=True).create_config()
-    assert cfg.model.arch.sliding_window is None and cfg.model.max_model_len == 128
+    assert cfg.model.arch.layer_sliding_windows == () and cfg.model.max_model_len == 128
     with pytest.raises(ConfigError, match="^--max-model-len: .*--disable-sliding-window"):
         EngineArgs(model=path, disable_sliding_window=True, max_model_len=256).create_config()
     mixed = write_model_dir(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
                             max_window_layers=1)
     cfg = EngineArgs(model=mixed, disable_sliding_window=True).create_config()
-    assert cfg.model.arch.sliding_window is None and cfg.model.max_model_len == 64
+    assert cfg.model.arch.layer_sliding_windows == () and cfg.model.max_model_len == 64

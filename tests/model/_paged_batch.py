@@ -18,9 +18,8 @@ class PagedBatch:
     """Owns per-layer KV caches and per-sequence block tables; `step()` builds one batch."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-                 dtype: torch.dtype = torch.float32, seed: int = 0, sliding_window: int | None = None):
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
         self.block_size = block_size
-        self.sliding_window = sliding_window
         self.kv_caches = [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
                           for _ in range(num_layers)]
         self.free_blocks = list(range(num_blocks))
@@ -66,7 +65,6 @@ class PagedBatch:
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
-            sliding_window=self.sliding_window,
         )
         return (torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), meta)
 

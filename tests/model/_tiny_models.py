@@ -33,7 +33,7 @@ def run_schedule(model, prompts: list[list[int]], steps: list[list[tuple[int, in
     position computed, in position order."""
     arch = model.arch
     batch = PagedBatch(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, block_size, num_blocks,
-                       dtype=model.dtype, seed=seed, sliding_window=None)
+                       dtype=model.dtype, seed=seed)
     model.bind_kv_caches(batch.kv_caches)
     done = [0] * len(prompts)
     out: list[list[torch.Tensor]] = [[] for _ in prompts]

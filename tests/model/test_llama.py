@@ -91,6 +91,14 @@ def test_random_schedules(llama_tied, seed):
                      id="qwen2-sliding-window-no-layer"),
         pytest.param("qwen2", {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 1},
                      id="qwen2-sliding-window-off"),
+        pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+                     id="qwen2-sliding-window-later-layers"),
+        pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 6,
+                               "layer_types": ["sliding_attention", "full_attention"]}, id="qwen2-layer-types"),
+        pytest.param("qwen3", {}, id="qwen3-qk-norm"),
+        pytest.param("qwen3", {"attention_bias": True, "tie_word_embeddings": True}, id="qwen3-bias-tied"),
+        pytest.param("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+                               "head_dim": 32}, id="qwen3-per-layer-window-head-dim-32"),
         pytest.param("llama", {"num_key_value_heads": 1, "head_dim": 32}, id="mqa-head-dim-32"),
     ],
 )
@@ -107,7 +115,8 @@ def test_sliding_window_comes_from_the_model_config(tmp_path):
     """The model applies its own window even when the metadata says none."""
     hf = save_tiny_hf(tmp_path, "mistral", sliding_window=4)
     ours = load_ours(tmp_path)
-    assert ours.arch.sliding_window == 4
+    assert ours.arch.layer_sliding_windows == (4, 4)
+    assert [attn.sliding_window for attn in ours.attention_layers] == [4, 4]
     prompts = _prompts([20], seed=8)
     logits = run_schedule(ours, prompts, [[(0, 12)], [(0, 1)], [(0, 7)]], block_size=8)
     _assert_matches_hf(hf, prompts, logits)

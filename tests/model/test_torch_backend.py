@@ -10,7 +10,7 @@ from aserve.model.attention.torch_backend import TorchAttentionBackend
 from tests.model._paged_batch import naive_attention
 
 
-def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=0, sliding_window=None,
+def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=0,
           layout_seed=0):
     """Random cached context per sequence (already in the cache) plus this step's new tokens.
 
@@ -50,7 +50,7 @@ def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, sliding_window=sliding_window,
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
     )
     k = torch.cat(new_k + [torch.randn(num_pad, num_kv_heads, head_dim)])
     v = torch.cat(new_v + [torch.randn(num_pad, num_kv_heads, head_dim)])
@@ -61,14 +61,14 @@ def _check(q_lens, contexts, block_size=16, num_heads=6, num_kv_heads=2, num_pad
            dtype=torch.float32, backend=None):
     head_dim = 16
     cache, meta, k, v, full_k, full_v = _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad,
-                                              seed=block_size, sliding_window=sliding_window)
+                                              seed=block_size)
     q = torch.randn(meta.num_tokens + num_pad, num_heads, head_dim)
     if dtype != torch.float32:  # the reference sees the same rounded values
         cache, q, k, v = (t.to(dtype) for t in (cache, q, k, v))
         full_k, full_v = [t.to(dtype).float() for t in full_k], [t.to(dtype).float() for t in full_v]
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     before = cache.clone()
-    out = (backend or TorchAttentionBackend()).forward(q, k, v, cache, meta, scale=0.25)
+    out = (backend or TorchAttentionBackend()).forward(q, k, v, cache, meta, scale=0.25, sliding_window=sliding_window)
     assert out.shape == q.shape and out.dtype == dtype
     starts = meta.query_start_loc_cpu
     for i, n in enumerate(meta.seq_lens_cpu):

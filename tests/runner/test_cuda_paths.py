@@ -119,8 +119,7 @@ class _ReplayByRerun:
 def _emulate_graphs(runner) -> CudaGraphRunner:
     """What ModelRunner.capture_graphs does on CUDA, with graph capture replaced by _ReplayByRerun."""
     max_len = min(runner.config.runner.max_seq_len_to_capture, runner.config.model.max_model_len)
-    g = CudaGraphRunner(runner.model, runner.static_sizes, runner.max_blocks_per_seq, max_len, runner.device,
-                        runner.arch.sliding_window)
+    g = CudaGraphRunner(runner.model, runner.static_sizes, runner.max_blocks_per_seq, max_len, runner.device)
     with torch.inference_mode():
         for size in reversed(g.sizes):
             meta = g._meta(size)

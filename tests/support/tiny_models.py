@@ -19,7 +19,7 @@ GREEDY_STABLE = {"vocab_size": 512, "intermediate_size": 128, "max_position_embe
 
 def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb: bool = True,
                  **overrides: Any) -> Any:
-    """Saves a tiny `family` ("llama" | "qwen2" | "mistral") model to `path` and returns the HF model
+    """Saves a tiny `family` ("llama" | "qwen2" | "mistral" | "qwen3") model to `path` and returns the HF model
     (eval, fp32). `overrides` update `COMMON`. With `perturb`, biases (zero-initialised by HF) and
     norm weights get random values so that they matter in logit comparisons."""
     import torch
@@ -29,6 +29,7 @@ def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[family]
     config = config_cls(**{**COMMON, **overrides})
     config._attn_implementation = "eager"

@@ -33,7 +33,6 @@ class AttentionMetadata:
     # Host copies, so CPU code can loop over prefill sequences without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    sliding_window: int | None = None
     # fp8 KV cache: the scales every layer uses this step (1.0 when not quantized).
     k_scale: float = 1.0
     v_scale: float = 1.0
@@ -58,7 +57,11 @@ class DecodeInputs:
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into the cache, then attends. Shapes: q [T, H, D], k/v [T, KVH, D]."""
+    """Writes this step's K/V into the cache, then attends. Shapes: q [T, H, D], k/v [T, KVH, D].
+
+    `sliding_window` is the calling layer's own (None: full attention): a key at position p is seen
+    by a query at position q when q - window < p <= q. Layers of one model may use different windows
+    in the same step; a backend may plan once per (step, window)."""
 
     name: str
 
@@ -70,5 +73,6 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         ...

@@ -43,8 +43,9 @@ class TorchAttentionBackend:
     Shapes come from the metadata's host lists, so it never syncs with the device except to check
     for skipped (-1) slots once per step. A compiled decode passes `DecodeInputs` instead of the
     metadata; those steps run as one opaque op per layer (`torch_paged_decode`). Gathered K/V go
-    into grow-only buffers reused by every layer. Call `begin_forward(meta)` once per model forward to share the per-step plan (block
-    indices, masks) across layers; without it each call plans on its own.
+    into grow-only buffers reused by every layer. Call `begin_forward(meta)` once per model forward to share
+    the per-step plan (block indices, masks; one per sliding window in use) across layers; without it
+    each call plans on its own.
     """
 
     name = "torch"
@@ -53,13 +54,13 @@ class TorchAttentionBackend:
     def __init__(self) -> None:
         self._kernels = cpu_ops.load()  # C decode attention for bf16 CPU caches (None: torch only)
         self._step_meta: AttentionMetadata | None = None
-        self._plan: _StepPlan | None = None
+        self._plans: dict[int | None, _StepPlan] = {}  # this step's plan per sliding window
         self._buffers: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
-        """Mark the start of a forward pass over `meta` (the plan is rebuilt on first use)."""
+        """Mark the start of a forward pass over `meta` (plans are rebuilt on first use)."""
         self._step_meta = meta
-        self._plan = None
+        self._plans = {}
 
     def forward(
         self,
@@ -69,8 +70,9 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata | DecodeInputs,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        if isinstance(meta, DecodeInputs):
+        if isinstance(meta, DecodeInputs):  # planned with the model's one window (decode_inputs)
             return torch.ops.aserve.torch_paged_decode(q, k, v, kv_cache, meta.slots, meta.block_ids, meta.mask,
                                                        meta.decode_len, meta.key_buffer, meta.value_buffer,
                                                        scale, meta.k_scale, meta.v_scale)
@@ -79,13 +81,13 @@ class TorchAttentionBackend:
         num_tokens = meta.num_tokens
         if use_kernel and meta.num_decodes == meta.num_seqs == q.shape[0]:  # decodes only, no padding
             return kernels.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                                  meta.sliding_window, (k, v, meta.slot_mapping))
+                                                  sliding_window, (k, v, meta.slot_mapping))
         block_size = kv_cache.shape[2]
-        plan = self._plan if meta is self._step_meta else None
+        plan = self._plans.get(sliding_window) if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
-            plan = _make_plan(meta, block_size, q.device)
+            plan = _make_plan(meta, block_size, q.device, sliding_window)
             if meta is self._step_meta:
-                self._plan = plan
+                self._plans[sliding_window] = plan
         if plan.valid_rows is None:
             k, v = k[:num_tokens], v[:num_tokens]
         else:
@@ -98,7 +100,7 @@ class TorchAttentionBackend:
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         if num_decodes and use_kernel:
             out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables,
-                                                               meta.seq_lens, scale, meta.sliding_window)
+                                                               meta.seq_lens, scale, sliding_window)
         elif num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale)
         for seq in plan.prefills:
@@ -134,7 +136,8 @@ class TorchAttentionBackend:
         return pair
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _StepPlan:
+def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
+               sliding_window: int | None) -> _StepPlan:
     num_tokens = meta.num_tokens
     slots = meta.slot_mapping[:num_tokens].to(torch.int64)
     valid_rows = None
@@ -146,7 +149,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
     decode_block_ids = decode_mask = None
     decode_len = 0
     if num_decodes:
-        decode_block_ids, decode_mask, decode_len = _plan_decodes(meta, block_size)
+        decode_block_ids, decode_mask, decode_len = _plan_decodes(meta, block_size, sliding_window)
 
     prefills = []
     starts = meta.query_start_loc_cpu
@@ -155,29 +158,31 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -
         if q_end == q_start:
             continue
         block_ids = meta.block_tables[i, : -(-seq_len // block_size)].to(torch.int64)
-        mask = reference.prefill_mask(q_end - q_start, seq_len, meta.sliding_window, device)
+        mask = reference.prefill_mask(q_end - q_start, seq_len, sliding_window, device)
         prefills.append(_PrefillSeq(q_start, q_end, seq_len, block_ids, mask))
     return _StepPlan(block_size, slots, valid_rows, decode_block_ids, decode_mask, decode_len, prefills)
 
 
-def _plan_decodes(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+def _plan_decodes(meta: AttentionMetadata, block_size: int,
+                  window: int | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """The decodes' flat block ids, their mask (None: one sequence that sees all of its first
     `decode_len` keys) and the longest decode context."""
     num_decodes = meta.num_decodes
     decode_len = max(meta.seq_lens_cpu[:num_decodes])
     num_blocks = -(-decode_len // block_size)
     block_ids = meta.block_tables[:num_decodes, :num_blocks].reshape(-1).to(torch.int64)
-    window = meta.sliding_window
     mask = None
     if num_decodes > 1 or (window is not None and window < decode_len):
         mask = reference.decode_mask(meta.seq_lens[:num_decodes], num_blocks * block_size, window)
     return block_ids, mask, decode_len
 
 
-def decode_inputs(meta: AttentionMetadata, kv_cache: torch.Tensor, backend: TorchAttentionBackend) -> DecodeInputs:
+def decode_inputs(meta: AttentionMetadata, kv_cache: torch.Tensor, backend: TorchAttentionBackend,
+                  sliding_window: int | None) -> DecodeInputs:
     """`meta` (decodes only, no skipped slots) as the tensors a compiled decode takes, over caches
-    shaped like `kv_cache`, with `backend`'s grow-only gather scratch."""
-    block_ids, mask, decode_len = _plan_decodes(meta, kv_cache.shape[2])
+    shaped like `kv_cache`, with `backend`'s grow-only gather scratch; every layer must use
+    `sliding_window` (the mask is shared)."""
+    block_ids, mask, decode_len = _plan_decodes(meta, kv_cache.shape[2], sliding_window)
     buffers = backend.buffer_pair(kv_cache.dtype, kv_cache.device, block_ids.shape[0] * kv_cache[0, 0].numel())
     if mask is None:
         mask = torch.empty(0, dtype=torch.bool, device=block_ids.device)

@@ -32,6 +32,7 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens = meta.num_tokens
         reshape_and_cache(
@@ -47,7 +48,7 @@ class TritonAttentionBackend:
         if num_decodes:
             paged_decode_attention(
                 q[:num_decodes], kv_cache, meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes],
-                scale, meta.sliding_window, meta.k_scale, meta.v_scale,
+                scale, sliding_window, meta.k_scale, meta.v_scale,
                 max_seq_len=max(meta.seq_lens_cpu[:num_decodes]), out=out[:num_decodes],
             )  # fmt: skip
         if meta.num_seqs > num_decodes:
@@ -56,7 +57,7 @@ class TritonAttentionBackend:
             paged_prefill_attention(
                 q[first:num_tokens], kv_cache, meta.block_tables[num_decodes : meta.num_seqs],
                 meta.query_start_loc[num_decodes : meta.num_seqs + 1] - first,
-                meta.seq_lens[num_decodes : meta.num_seqs], scale, meta.sliding_window,
+                meta.seq_lens[num_decodes : meta.num_seqs], scale, sliding_window,
                 meta.k_scale, meta.v_scale,
                 query_start_loc_cpu=[s - first for s in starts],
                 seq_lens_cpu=meta.seq_lens_cpu[num_decodes : meta.num_seqs],

@@ -12,11 +12,12 @@ class Attention(nn.Module):
     """q `[T, H*D]`, k/v `[T, KVH*D]` -> `[T, H*D]`: writes this step's K/V, then attends.
 
     The KV cache (`[2, num_blocks, block_size, KVH, D]`) is bound after the runner allocates it;
-    calling forward before `bind_kv_cache` raises RuntimeError.
+    calling forward before `bind_kv_cache` raises RuntimeError. `sliding_window` is this layer's
+    (None: full attention); layers of one model may differ.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 backend: AttentionBackend):
+                 backend: AttentionBackend, sliding_window: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
@@ -26,6 +27,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -44,6 +46,6 @@ class Attention(nn.Module):
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache, meta, self.scale,
+            self.kv_cache, meta, self.scale, self.sliding_window,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,31 +1,43 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2): composes layers; weight fusing lives in `load_weights`.
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3): pre-norm blocks of GQA attention with
+rotary positions and a gated-SiLU MLP. The model classes only compose layers and declare how their
+attention differs (`LlamaAttentionOptions`); the plumbing is `CausalLM`'s.
 
-Family differences come from `ArchConfig`: Qwen2 has biases on q/k/v (not o_proj), Llama with
-`attention_bias` has them on q/k/v and o_proj, Mistral may use a sliding window, and any member may
-tie the LM head to the embedding.
+Differences: Qwen2 has biases on q/k/v (not o_proj); Llama with `attention_bias` has them on q/k/v
+and o_proj; Qwen3 normalizes each head of q and k (RMSNorm over head_dim) before the rotary; any
+member may tie the LM head to the embedding, and each layer has its own attention window
+(`ArchConfig.layer_sliding_windows`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from aserve.config import ArchConfig
-from aserve.model.attention.base import AttentionBackend, AttentionMetadata, DecodeInputs
+from aserve.model.attention.base import AttentionBackend, AttentionMetadata
 from aserve.model.layers.activation import get_act_and_mul
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.embedding import LMHead, VocabEmbedding
 from aserve.model.layers.linear import Linear, MergedLinear
 from aserve.model.layers.norm import RMSNorm
 from aserve.model.layers.rotary import RotaryEmbedding
+from aserve.model.models.base import CausalLM
+
+
+@dataclass(frozen=True)
+class LlamaAttentionOptions:
+    """How a family's attention block differs from Llama's."""
+
+    o_proj_bias: bool = True  # with `attention_bias`: o_proj has a bias too (Qwen2: only q/k/v)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before the rotary (Qwen3)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, arch: ArchConfig, layer_idx: int, options: LlamaAttentionOptions, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -33,18 +45,23 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(arch.hidden_size, [q_size, kv_size, kv_size], bias=arch.attention_bias,
                                      dtype=dtype)
-        o_bias = arch.attention_bias and arch.architecture != "Qwen2ForCausalLM"
-        self.o_proj = Linear(q_size, arch.hidden_size, bias=o_bias, dtype=dtype)
+        self.o_proj = Linear(q_size, arch.hidden_size, bias=arch.attention_bias and options.o_proj_bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype=dtype) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype=dtype) if options.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend,
+                              sliding_window=arch.sliding_window_of(layer_idx))
 
     def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`cos_sin`: the step's rotary rows (`RotaryEmbedding.cos_sin(positions)`)."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         num_tokens = hidden.shape[0]
-        q, k = self.rotary(cos_sin, q.view(num_tokens, self.num_heads, self.head_dim),
-                           k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        out = self.attn(q.view(num_tokens, -1), k.view(num_tokens, -1), v, meta)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(cos_sin, q, k)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, meta)
         return self.o_proj(out)
 
 
@@ -60,10 +77,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, arch: ArchConfig, layer_idx: int, options: LlamaAttentionOptions, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(arch, rotary, backend, dtype)
+        self.self_attn = LlamaAttention(arch, layer_idx, options, rotary, backend, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(arch, dtype)
 
@@ -80,14 +98,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, arch: ArchConfig, options: LlamaAttentionOptions, backend: AttentionBackend,
+                 dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         # One cos/sin table shared by every layer.
         self.rotary = RotaryEmbedding(arch.head_dim, arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
                                       arch.rope_scaling, is_neox=True, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary, backend, dtype) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, i, options, self.rotary, backend, dtype) for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
 
@@ -101,11 +120,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]`;
-    `compute_logits(hidden [N, hidden]) -> [N, vocab]` float32."""
-
-    # Checkpoint projection name -> (fused module name, shard index).
+class LlamaForCausalLM(CausalLM):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
@@ -113,97 +128,16 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # Projections whose output only feeds an RMSNorm (through the residual add) or the gated activation,
-    # which take float32 rows on CPU: the loader may let these return unrounded float32
-    # (aserve/model/quantization/cpu_kernel.py).
     float_output_modules: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj", "gate_up_proj")
-    # Checkpoint entries that carry no weights we use.
-    ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+    attention_options: ClassVar[LlamaAttentionOptions] = LlamaAttentionOptions()
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        super().__init__()
-        self.arch = arch
-        self.dtype = dtype
-        self.backend = backend
+        super().__init__(arch, backend, dtype)
         with torch.device(device):
-            self.model = LlamaModel(arch, backend, dtype)
+            self.model = LlamaModel(arch, self.attention_options, backend, dtype)
             tie = self.model.embed_tokens if arch.tie_word_embeddings else None
             self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, dtype=dtype, tie_to=tie)
-        self.sliding_window = arch.sliding_window
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """One cache tensor per layer, `[2, num_blocks, block_size, KVH, head_dim]` (see attention/base.py)."""
-        layers = self.attention_layers
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"expected {len(layers)} KV caches (one per layer), got {len(kv_caches)}")
-        for attn, cache in zip(layers, kv_caches, strict=True):
-            attn.bind_kv_cache(cache)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata | DecodeInputs) -> torch.Tensor:
-        """The model's own sliding window (from its config) overrides `meta.sliding_window`.
-        `DecodeInputs` (a compiled decode, already planned with that window) go to the layers as they are."""
-        if isinstance(meta, AttentionMetadata):
-            if meta.sliding_window != self.sliding_window:
-                meta = dataclasses.replace(meta, sliding_window=self.sliding_window)
-            begin_forward = getattr(self.backend, "begin_forward", None)
-            if begin_forward is not None:  # optional hook: lets the backend plan once per step
-                begin_forward(meta)
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into their merged layers.
-
-        Returns the names of the parameters loaded. Raises ValueError on an unknown name or a shape
-        mismatch, and on parameters the checkpoint did not provide (a tied LM head needs none).
-        """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith(self.ignored_suffixes):
-                continue
-            if name == "lm_head.weight" and self.lm_head.tied:
-                continue  # some tied checkpoints still store a copy of the embedding
-            target, shard_id = name, None
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self.packed_modules_mapping:
-                fused, shard_id = self.packed_modules_mapping[parts[-2]]
-                target = ".".join([*parts[:-2], fused, parts[-1]])
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} does not match any parameter of "
-                                 f"{self.arch.architecture} (is the config right for these weights?)")
-            module = modules[target.rsplit(".", 1)[0]]
-            try:
-                module.load_shard(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
-        self._check_complete(loaded, params, modules)
-        return loaded
-
-    def _check_complete(self, loaded: set[str], params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> None:
-        missing = []
-        for name in params:
-            if name == "lm_head.weight" and self.lm_head.tied:
-                continue
-            module = modules[name.rsplit(".", 1)[0]]
-            if isinstance(module, MergedLinear) and name not in loaded:
-                missing += [f"{name}#{i}" for i in range(len(module.output_sizes)) if f"{name}#{i}" not in loaded]
-            elif name not in loaded:
-                missing.append(name)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -211,4 +145,12 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Llama with q/k/v biases (ArchConfig.attention_bias defaults to True for Qwen2)."""
+    """Llama with q/k/v biases and none on o_proj (ArchConfig.attention_bias defaults to True for Qwen2)."""
+
+    attention_options = LlamaAttentionOptions(o_proj_bias=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with q and k normalized per head before the rotary; biases as `attention_bias` says."""
+
+    attention_options = LlamaAttentionOptions(qk_norm=True)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from aserve.config import SUPPORTED_ARCHITECTURES
-from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 if set(MODEL_CLASSES) != SUPPORTED_ARCHITECTURES:  # the torch-free name list must match the classes
     raise RuntimeError(f"model registry {sorted(MODEL_CLASSES)} != aserve.config.SUPPORTED_ARCHITECTURES "

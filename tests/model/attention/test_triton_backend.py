@@ -23,7 +23,7 @@ BATCHES = {
 }
 
 
-def _step(batch, block_size, device, gen, *, num_padding=0, sliding_window=None, cache_dtype=torch.float32,
+def _step(batch, block_size, device, gen, *, num_padding=0, cache_dtype=torch.float32,
           scale=1.0):  # fmt: skip
     """A KV cache holding each sequence's cached tokens, this step's q/k/v and its metadata."""
     seq_lens = [c + n for c, n in batch]
@@ -67,17 +67,16 @@ def _step(batch, block_size, device, gen, *, num_padding=0, sliding_window=None,
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
-        sliding_window=sliding_window,
         k_scale=scale,
         v_scale=scale,
     )
     return cache.to(device), q.to(device), k.to(device), v.to(device), meta
 
 
-def _both(cache, q, k, v, meta):
+def _both(cache, q, k, v, meta, sliding_window=None):
     torch_cache, triton_cache = cache.clone(), cache.clone()
-    want = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, HEAD_DIM**-0.5)
-    got = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, HEAD_DIM**-0.5)
+    want = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, HEAD_DIM**-0.5, sliding_window)
+    got = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, HEAD_DIM**-0.5, sliding_window)
     assert torch.equal(triton_cache.view(torch.uint8), torch_cache.view(torch.uint8))
     return got, want
 
@@ -92,8 +91,8 @@ def test_matches_torch_backend(device, gen, kind, block_size):
 
 
 def test_padded_batch_and_sliding_window(device, gen):
-    cache, q, k, v, meta = _step(BATCHES["mixed"], 8, device, gen, num_padding=3, sliding_window=5)
-    got, want = _both(cache, q, k, v, meta)
+    cache, q, k, v, meta = _step(BATCHES["mixed"], 8, device, gen, num_padding=3)
+    got, want = _both(cache, q, k, v, meta, sliding_window=5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert torch.all(got[meta.num_tokens :] == 0)
 

@@ -1,0 +1,133 @@
+"""The family-neutral half of every causal LM: KV-cache binding, the forward entry, logits, and
+weight loading with packed-module mappings and a completeness check.
+
+A family file subclasses `CausalLM`, builds `self.model` (`forward(input_ids, positions, meta) ->
+hidden`) and `self.lm_head` in `__init__`, and declares its mappings as class attributes; it never
+re-implements the plumbing here. Attention layers are found by type, so any module layout works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from aserve.config import ArchConfig
+from aserve.model.attention.base import AttentionBackend, AttentionMetadata, DecodeInputs
+from aserve.model.layers.attention import Attention
+from aserve.model.layers.linear import MergedLinear
+
+
+class CausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]`;
+    `compute_logits(hidden [N, hidden]) -> [N, vocab]` float32."""
+
+    # Checkpoint projection name -> (fused module name, shard index): `q_proj` -> ("qkv_proj", 0).
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
+    # Projections whose output only feeds a norm (through the residual add) or the gated activation,
+    # which take float32 rows on CPU: the loader may let these return unrounded float32
+    # (aserve/model/quantization/cpu_kernel.py).
+    float_output_modules: ClassVar[tuple[str, ...]] = ()
+    # Checkpoint entries that carry no weights we use.
+    ignored_suffixes: ClassVar[tuple[str, ...]] = (
+        "rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+    model: nn.Module
+    lm_head: nn.Module
+
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.backend = backend
+
+    # -- the step ---------------------------------------------------------------------------------
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def uniform_sliding_window(self) -> int | None:
+        """The window every attention layer shares (None: full attention everywhere). Raises
+        ValueError when layers differ (a caller that plans one mask for all layers cannot serve it)."""
+        windows = {attn.sliding_window for attn in self.attention_layers}
+        if len(windows) > 1:
+            raise ValueError(f"{self.arch.architecture}: layers use different attention windows "
+                             f"{sorted(windows, key=str)}; this path needs one window for every layer")
+        return windows.pop() if windows else None
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """One cache tensor per attention layer, `[2, num_blocks, block_size, KVH, head_dim]`."""
+        layers = self.attention_layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} KV caches (one per layer), got {len(kv_caches)}")
+        for attn, cache in zip(layers, kv_caches, strict=True):
+            attn.bind_kv_cache(cache)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata | DecodeInputs) -> torch.Tensor:
+        if isinstance(meta, AttentionMetadata):
+            begin_forward = getattr(self.backend, "begin_forward", None)
+            if begin_forward is not None:  # optional hook: lets the backend plan once per step
+                begin_forward(meta)
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this model's terms, or None to skip it. Families whose
+        checkpoints use other module names override this; the default keeps the name."""
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named tensors, fusing the packed projections into their merged layers.
+
+        Returns the names of the parameters loaded. Raises ValueError on an unknown name or a shape
+        mismatch, and on parameters the checkpoint did not provide (a tied LM head needs none).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        tied = getattr(self.lm_head, "tied", False)
+        for original, tensor in weights:
+            name = self.checkpoint_name(original)
+            if name is None or name.endswith(self.ignored_suffixes):
+                continue
+            if name == "lm_head.weight" and tied:
+                continue  # some tied checkpoints still store a copy of the embedding
+            target, shard_id = name, None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.packed_modules_mapping:
+                fused, shard_id = self.packed_modules_mapping[parts[-2]]
+                target = ".".join([*parts[:-2], fused, parts[-1]])
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {original!r} does not match any parameter of "
+                                 f"{self.arch.architecture} (is the config right for these weights?)")
+            module = modules[target.rsplit(".", 1)[0]]
+            try:
+                module.load_shard(param, tensor, shard_id)  # every layer with weights has one
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
+            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+        self._check_complete(loaded, params, modules, tied)
+        return loaded
+
+    def _check_complete(self, loaded: set[str], params: dict[str, nn.Parameter],
+                        modules: dict[str, nn.Module], tied: bool) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and tied:
+                continue
+            module = modules[name.rsplit(".", 1)[0]]
+            if isinstance(module, MergedLinear) and name not in loaded:
+                missing += [f"{name}#{i}" for i in range(len(module.output_sizes)) if f"{name}#{i}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
