@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from aserve.config.errors import ConfigError
+from aserve.config.families import normalize_keys, parse_family_fields
 
 # The architectures aserve/model/models/registry.py implements (it checks that the lists agree); kept
 # here as plain strings so a config is rejected before any torch import or model download.
@@ -34,7 +35,8 @@ class ArchConfig:
     """The model's architecture, read from its config.json (plus overrides).
 
     `layer_sliding_windows` holds each layer's attention window (None: full attention); layers of
-    one model may differ (Qwen2's `max_window_layers`, `layer_types`).
+    one model may differ (Qwen2's `max_window_layers`, `layer_types`). `family` is the frozen struct
+    of the fields only this architecture's family has (`aserve.config.families`), or None.
     """
 
     architecture: str
@@ -56,6 +58,7 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     layer_sliding_windows: tuple[int | None, ...] = ()
+    family: Any = None
 
     def sliding_window_of(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: full attention)."""
@@ -68,6 +71,7 @@ class ArchConfig:
         every layer full attention."""
         cfg = {**cfg, **(hf_overrides or {})}
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        cfg = normalize_keys(arch, cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_theta, rope_scaling = _rope(cfg)
@@ -93,6 +97,7 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             layer_sliding_windows=() if disable_sliding_window else tuple(layer_sliding_windows(cfg, arch)),
+            family=parse_family_fields(arch, cfg),
         )
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from aserve.config.dtype_policy import resolve_dtype
 from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
+from aserve.config.families import normalize_keys
 from aserve.config.hf_config import (
     SUPPORTED_ARCHITECTURES,
     ArchConfig,
@@ -135,7 +136,7 @@ def _max_model_len(args: EngineArgs, hf_cfg: dict, arch: ArchConfig) -> int:
     has a window, the context is capped at the window (as vLLM does), so full attention computes
     exactly what the windowed model would."""
     limit = derived_max_model_len(arch)
-    windows = [w for w in layer_sliding_windows(hf_cfg, arch.architecture) if w]
+    windows = [w for w in layer_sliding_windows(normalize_keys(arch.architecture, hf_cfg), arch.architecture) if w]
     if args.disable_sliding_window and windows and min(windows) < limit:
         limit = min(windows)
         require(args.max_model_len is None or args.max_model_len <= limit, "max_model_len",
