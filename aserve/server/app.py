@@ -25,6 +25,7 @@ from aserve.server import chat, completions, misc
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
 from aserve.server.errors import APIError, body_too_large, http_error
+from aserve.server.linger import LingerMiddleware, linger_bytes
 from aserve.server.metrics import CONTENT_TYPE
 from aserve.server.openapi import Operation, docs_page, openapi_document
 from aserve.server.sse import ClientDisconnected
@@ -57,8 +58,10 @@ def client_id_of(key: str) -> str:
 class GateMiddleware:
     """Sets the root path, refuses new requests while draining (503), checks the API key where
     `requires_api_key` says so (with several keys, the key's `client_id_of` goes in
-    `scope["state"]["client_id"]` for fair sharing), and refuses bodies over
-    --max-request-body-bytes (413: by Content-Length before reading, else as the body streams in)."""
+    `scope["state"]["client_id"]` for fair sharing), refuses generation requests while the queue is
+    at --max-num-queued-reqs (429, before the body is read), and refuses bodies over
+    --max-request-body-bytes (413: by Content-Length before reading, else as the body streams in).
+    Every early answer reaches the client: `LingerMiddleware` reads the unread body after it."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app = app
@@ -97,6 +100,13 @@ class GateMiddleware:
                 return
             if matched[0] is not None:
                 scope = {**scope, "state": {**scope.get("state", {}), "client_id": matched[0]}}
+        if scope["method"] == "POST" and _route_path(scope) in _GENERATION_PATHS:
+            try:
+                self.state.check_queue_not_full()
+            except APIError as exc:
+                self.state.metrics.record_rejected("overloaded")
+                await exc.to_response()(scope, receive, send)
+                return
         if self._max_body:
             limit = self._max_body
             for name, value in scope["headers"]:
@@ -206,6 +216,7 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
     args = server_args or ServerArgs()
     state = ServerState.create(engine, args)
     engine.add_stat_logger(state.metrics)
+    engine.add_stat_logger(state.drain_rate)
     operations = _operations()
     doc = openapi_document(
         operations,
@@ -229,6 +240,7 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
         Route("/docs", docs, methods=["GET"]),
     ]
     middleware = [
+        Middleware(LingerMiddleware, max_bytes=linger_bytes(args.max_request_body_bytes)),
         Middleware(
             CORSMiddleware,
             allow_origins=list(args.allowed_origins),

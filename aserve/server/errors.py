@@ -81,7 +81,7 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
 
 def body_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)",
-                    code="request_too_large", headers={"Connection": "close"})
+                    code="request_too_large")
 
 
 def timed_out(timeout_s: float) -> APIError:
