@@ -15,19 +15,36 @@ from pathlib import Path
 from typing import Any
 
 from aserve.config.errors import ConfigError
-from aserve.config.families import normalize_keys, parse_family_fields
+from aserve.config.families import ROPE_TYPE_ALIASES, normalize_keys, parse_family_fields
 
 # The architectures aserve/model/models/registry.py implements (it checks that the lists agree); kept
 # here as plain strings so a config is rejected before any torch import or model download.
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                     "Qwen3ForCausalLM"})
+                                     "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+                                     "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel",
+                                     "OPTForCausalLM"})
+
+# Architectures refused with a reason beyond "no model class" (appended to the refusal).
+REFUSAL_REASONS = {
+    "Gemma3ForConditionalGeneration": " (the image-text Gemma 3; aserve serves text-only checkpoints: "
+                                      "Gemma3ForCausalLM, e.g. google/gemma-3-1b-it)",
+}
 
 # transformers' Qwen2/Qwen3 default: layers with index >= max_window_layers use the sliding window.
 _QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 _QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Gemma's sliding/global alternation when config.json has no layer_types: every pattern-th layer is global.
+_GEMMA_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
 # Families whose attention honours `sliding_window`, with the default of their `use_sliding_window`
 # switch; transformers' Llama ignores the key, and so do we.
-_USE_SLIDING_WINDOW_DEFAULT = {"MistralForCausalLM": True, "Qwen2ForCausalLM": False, "Qwen3ForCausalLM": False}
+_USE_SLIDING_WINDOW_DEFAULT = {"MistralForCausalLM": True, "Qwen2ForCausalLM": False, "Qwen3ForCausalLM": False,
+                               "Gemma2ForCausalLM": True, "Gemma3ForCausalLM": True,
+                               "Phi3ForCausalLM": True,  # Phi3: every layer, no switch key
+                               "MixtralForCausalLM": True, "Qwen2MoeForCausalLM": False,
+                               "Qwen3MoeForCausalLM": False}
+# Families whose window, when on, applies to every layer whatever layer_types says (their config
+# classes read no layer_types): Mixtral as Mistral, Qwen3-MoE.
+_WINDOW_ON_EVERY_LAYER = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -70,11 +87,11 @@ class ArchConfig:
         """Parse config.json's dict (`hf_overrides` merged on top); `disable_sliding_window` gives
         every layer full attention."""
         cfg = {**cfg, **(hf_overrides or {})}
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        arch = architecture_of(cfg)
         cfg = normalize_keys(arch, cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling = _rope(cfg, arch)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -99,6 +116,11 @@ class ArchConfig:
             layer_sliding_windows=() if disable_sliding_window else tuple(layer_sliding_windows(cfg, arch)),
             family=parse_family_fields(arch, cfg),
         )
+
+
+def architecture_of(cfg: dict[str, Any]) -> str:
+    """config.json's `architectures[0]` (Llama when absent, as older checkpoints were)."""
+    return (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
 
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
@@ -128,10 +150,17 @@ def layer_sliding_windows(cfg: dict[str, Any], architecture: str) -> list[int | 
         window = None
     if not window:
         return [None] * n
-    layer_types = cfg.get("layer_types")
+    layer_types = cfg.get("layer_types") if architecture not in _WINDOW_ON_EVERY_LAYER else None
+    if layer_types is None and architecture == "Qwen2MoeForCausalLM":  # Qwen2MoeConfig: even layers below the cut
+        first = int(cfg.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
+        layer_types = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(n)]
     if layer_types is None and architecture in _QWEN_ARCHITECTURES:
         first = int(cfg.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if layer_types is None and architecture in _GEMMA_PATTERNS:  # configs older than transformers 5
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                      or _GEMMA_PATTERNS[architecture])
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     if layer_types is None:
         return [int(window)] * n
     if len(layer_types) != n:
@@ -140,10 +169,16 @@ def layer_sliding_windows(cfg: dict[str, Any], architecture: str) -> list[int | 
     return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling with a `rope_type` key, or None for plain RoPE) from either spelling."""
+def _rope(cfg: dict[str, Any], architecture: str = "") -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling with a `rope_type` key, or None for plain RoPE) from either spelling.
+
+    As transformers' `standardize_rope_params`: the architecture's old type names are read as the
+    current ones (`ROPE_TYPE_ALIASES`), and for llama3 / yarn / longrope a top-level
+    `original_max_position_embeddings` (where Phi-3 keeps it) wins over the RoPE dict's own."""
     # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling.
     rope_params = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope_params:  # per layer type (Gemma 3): the global layers' are the model's
+        rope_params = rope_params["full_attention"] or {}
     rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     rope_scaling = cfg.get("rope_scaling")
     if rope_scaling is None and rope_params:
@@ -151,7 +186,10 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_scaling is not None:
         rope_scaling = dict(rope_scaling)
         kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        kind = ROPE_TYPE_ALIASES.get(architecture, {}).get(kind, kind)
         rope_scaling["rope_type"] = kind
+        if kind in ("llama3", "yarn", "longrope") and cfg.get("original_max_position_embeddings"):
+            rope_scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
         if kind == "default":
             rope_scaling = None
     return float(rope_theta), rope_scaling
@@ -159,7 +197,9 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def derived_max_model_len(arch: ArchConfig) -> int:
     """The longest context the checkpoint supports: max_position_embeddings, times the RoPE scaling
-    factor for linear, dynamic and yarn scaling (llama3 scaling keeps the declared length)."""
+    factor for linear, dynamic and yarn scaling (llama3 and longrope scaling keep the declared length:
+    a longrope config's max_position_embeddings already is the extended context, its
+    original_max_position_embeddings the pre-training one)."""
     scaling = arch.rope_scaling or {}
     if scaling.get("rope_type") in ("linear", "dynamic", "yarn") and "factor" in scaling:
         return int(arch.max_position_embeddings * float(scaling["factor"]))

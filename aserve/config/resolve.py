@@ -15,8 +15,10 @@ from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
 from aserve.config.families import normalize_keys
 from aserve.config.hf_config import (
+    REFUSAL_REASONS,
     SUPPORTED_ARCHITECTURES,
     ArchConfig,
+    architecture_of,
     derived_max_model_len,
     layer_sliding_windows,
     read_hf_config,
@@ -54,9 +56,10 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     if args.rope_scaling is not None:
         overrides["rope_scaling"] = args.rope_scaling
     hf_cfg = {**hf_cfg, **overrides}
+    name = architecture_of(hf_cfg)
+    require(name in SUPPORTED_ARCHITECTURES, "model", f"architecture {name!r} is not supported"
+            f"{REFUSAL_REASONS.get(name, '')}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     arch = ArchConfig.from_hf_dict(hf_cfg, disable_sliding_window=args.disable_sliding_window)
-    require(arch.architecture in SUPPORTED_ARCHITECTURES, "model",
-            f"architecture {arch.architecture!r} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
 
     device = args.device
     if device == "auto":

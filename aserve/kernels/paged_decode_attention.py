@@ -54,6 +54,7 @@ def _paged_decode_kernel(
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,
     window,  # 0: no sliding window
+    softcap,  # log2(e) * the logit cap; read only with USE_SOFTCAP
     stride_qb,
     stride_qh,
     stride_kb,
@@ -74,6 +75,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -126,6 +128,9 @@ def _paged_decode_kernel(
             other=0.0,
         ).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if USE_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain (`softcap` holds log2(e) * cap)
+            e = tl.exp(-2.0 * tl.abs(scores) / softcap)
+            scores = softcap * tl.where(scores >= 0.0, (1.0 - e) / (1.0 + e), (e - 1.0) / (1.0 + e))
         scores = tl.where(tok_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.reduce(scores, 1, MAX_COMBINE))
@@ -217,6 +222,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query (at position seq_len - 1) over its paged context.
 
@@ -224,7 +230,8 @@ def paged_decode_attention(
     block_tables [B, max_blocks] int32; seq_lens [B] int32 (0 gives a zero output row).
     num_splits forces the split-context count (1 = single pass); by default it follows
     `choose_num_splits` on `max_seq_len` (or the block-table capacity when not given).
-    Writes into `out` ([B, H, D], q's dtype) when given. Returns [B, H, D] in q's dtype.
+    Writes into `out` ([B, H, D], q's dtype) when given. `softcap` caps the scores as
+    `softcap * tanh(s / softcap)` (Gemma 2). Returns [B, H, D] in q's dtype.
     """
     check_tensor("q", q, 3, ACTIVATION_DTYPES)
     check_tensor("kv_cache", kv_cache, 5, ACTIVATION_DTYPES + FP8_DTYPES)
@@ -276,6 +283,7 @@ def paged_decode_attention(
         "qk_scale": float(scale) * 1.4426950408889634 * k_scale,
         "v_scale": v_scale,
         "window": window,
+        "softcap": float(softcap) * 1.4426950408889634 if softcap else 1.0,
         "stride_qb": q.stride(0),
         "stride_qh": q.stride(1),
         "stride_kb": k_cache.stride(0),
@@ -293,6 +301,7 @@ def paged_decode_attention(
         "BLOCK_SIZE": block_size,
         "TILE_N": tile_n,
         "USE_WINDOW": window > 0,
+        "USE_SOFTCAP": bool(softcap),
         "PRECISION": dot_precision(q.dtype),
     }
     decode = launchable(_paged_decode_kernel, device)

@@ -47,6 +47,7 @@ def _paged_prefill_kernel(
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,
     window,  # 0: no sliding window
+    softcap,  # log2(e) * the logit cap; read only with USE_SOFTCAP
     stride_qt,
     stride_qh,
     stride_kb,
@@ -65,6 +66,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -120,6 +122,9 @@ def _paged_prefill_kernel(
             other=0.0,
         ).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if USE_SOFTCAP:  # cap * tanh(s / cap), in the log2 domain (`softcap` holds log2(e) * cap)
+            e = tl.exp(-2.0 * tl.abs(scores) / softcap)
+            scores = softcap * tl.where(scores >= 0.0, (1.0 - e) / (1.0 + e), (e - 1.0) / (1.0 + e))
         visible = tok_mask[None, :] & (tokens[None, :] <= positions[:, None])
         if USE_WINDOW:
             visible = visible & (tokens[None, :] > positions[:, None] - window)
@@ -166,6 +171,7 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length query chunks over their paged contexts.
 
@@ -174,7 +180,7 @@ def paged_prefill_attention(
     seq_lens [S] int32 with seq_lens[i] >= q_len[i]. The grid needs the longest query chunk:
     `max_query_len`, else taken from `query_start_loc_cpu`, else read from the device (a sync).
     Rows of q outside every sequence are left as they are in `out` (zeros when `out` is None).
-    Returns [T, H, D] in q's dtype.
+    `softcap` caps the scores as `softcap * tanh(s / softcap)` (Gemma 2). Returns [T, H, D] in q's dtype.
     """
     check_tensor("q", q, 3, ACTIVATION_DTYPES)
     check_tensor("kv_cache", kv_cache, 5, ACTIVATION_DTYPES + FP8_DTYPES)
@@ -233,12 +239,13 @@ def paged_prefill_attention(
     launchable(_paged_prefill_kernel, device)[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         float(scale) * 1.4426950408889634 * k_scale, v_scale, window,
+        float(softcap) * 1.4426950408889634 if softcap else 1.0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=tile_n,
-        USE_WINDOW=window > 0, PRECISION=dot_precision(q.dtype),
+        USE_WINDOW=window > 0, USE_SOFTCAP=bool(softcap), PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out

@@ -99,30 +99,55 @@ def decode_mask(seq_lens: torch.Tensor, max_len: int, sliding_window: int | None
 
 
 def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, softcap: float | None = None) -> torch.Tensor:
     """q `[B, H, D]` against keys/values `[B, L, KVH, D]` (any strides) under `mask` `[B, L]` -> `[B, H, D]`.
 
     `mask=None`: every key is visible (callers pass exactly the visible keys). Each KV head's query
-    group is treated as a short query sequence, so GQA needs no K/V expansion.
+    group is treated as a short query sequence, so GQA needs no K/V expansion. `softcap`: scores
+    become `softcap * tanh(scores / softcap)` before the softmax (Gemma 2).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     grouped = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=None if mask is None else mask[:, None, None, :], scale=scale)
+    mask = None if mask is None else mask[:, None, None, :]
+    if softcap is not None:
+        out = softcapped_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """Attention with capped scores, as Hugging Face's eager Gemma 2 computes it: query `[..., Q, D]`,
+    key/value `[..., L, D]` (same leading dims), boolean `mask` broadcastable to `[..., Q, L]` or None
+    (all visible). Scores in the inputs' dtype, softmax in float32."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    return torch.matmul(probs, value)
+
+
 def attend_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float) -> torch.Tensor:
+                   scale: float, softcap: float | None = None) -> torch.Tensor:
     """One sequence: q `[q_len, H, D]` (the last q_len positions) against keys/values `[L, KVH, D]`.
 
     `mask` `[q_len, L]` (see `causal_mask`), or None when q covers the whole context without a
-    window, which uses the plain causal kernel. Returns `[q_len, H, D]`.
+    window, which uses the plain causal kernel. `softcap`: see `attend_decode`. Returns `[q_len, H, D]`.
     """
     query = q.transpose(0, 1).unsqueeze(0)
     k, v = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     gqa = q.shape[1] != keys.shape[1]
+    if softcap is not None:
+        group = q.shape[1] // keys.shape[1]
+        if mask is None:
+            mask = causal_mask(q.shape[0], keys.shape[0], None, q.device)
+        out = softcapped_attention(query, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                                   mask, scale, softcap)
+        return out[0].transpose(0, 1)
     if mask is None:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:

@@ -35,6 +35,9 @@ class CompiledDecode:
         self.kv_caches = kv_caches
         self.block_size = kv_caches[0].shape[2]
         self.sliding_window = model.uniform_sliding_window()  # one decode mask serves every layer
+        if any(attn.logit_softcap is not None for attn in model.attention_layers):
+            raise ValueError(f"-O3 on CPU: {model.arch.architecture} caps attention scores, which the compiled "
+                             "decode does not implement; serve it with -O0 (the default)")
         self._compiled = torch.compile(model, backend=compile_backend, dynamic=False, fullgraph=True)
 
     def can_run(self, meta: AttentionMetadata, num_rows: int) -> bool:

@@ -19,6 +19,22 @@ FAMILIES = {
     "qwen2-layer-types": ("qwen2", {"use_sliding_window": True, "sliding_window": 12,
                                     "layer_types": ["sliding_attention", "full_attention"]}),
     "mistral-window": ("mistral", {"sliding_window": 20}),
+    "phi3": ("phi3", {}),
+    # Partial rotary (8 of 16 dims) with longrope: every sequence (<= 112 tokens) stays within
+    # original_max_position_embeddings, where transformers uses the short factors too.
+    "phi3-longrope-partial-window": ("phi3", {
+        "partial_rotary_factor": 0.5, "original_max_position_embeddings": 128, "sliding_window": 20,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
+                          "num_hidden_layers": 4}),
+    "gemma3": ("gemma3", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
+                          "num_hidden_layers": 6}),
+    # Learned positions, LayerNorm, fused Conv1D q|k|v; OPT as opt-350m: post-LN with project_in/out.
+    "gpt2": ("gpt2", {}),
+    "opt": ("opt", {}),
+    "opt-post-ln-projected": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
 }
 RUNS = ["defaults", "chunked_tiny_budget", "prefix_caching", "preemption", "mp"]
 

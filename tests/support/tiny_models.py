@@ -16,6 +16,14 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_
 GREEDY_STABLE = {"vocab_size": 512, "intermediate_size": 128, "max_position_embeddings": 1024,
                  "rms_norm_eps": 1e-5, "initializer_range": 0.15, "bos_token_id": 1, "eos_token_id": 2}
 
+# Families whose config class spells the keys above differently: {common key: its own key, or None
+# where it has none (the key is dropped)}.
+_KEY_RENAMES = {
+    "gpt2": {"intermediate_size": "n_inner", "rms_norm_eps": "layer_norm_epsilon", "num_key_value_heads": None},
+    "opt": {"intermediate_size": "ffn_dim", "initializer_range": "init_std", "rms_norm_eps": None,
+            "num_key_value_heads": None},
+}
+
 
 def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb: bool = True,
                  **overrides: Any) -> Any:
@@ -30,8 +38,20 @@ def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        # Phi3Config's default pad/eos ids (32000) lie outside the tiny vocabulary.
+        "phi3": (lambda **kw: transformers.Phi3Config(**{"pad_token_id": None, "eos_token_id": None, **kw}),
+                 transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        # GPT2Config's default bos/eos id (50256) lies outside the tiny vocabulary.
+        "gpt2": (lambda **kw: transformers.GPT2Config(**{"bos_token_id": None, "eos_token_id": None, **kw}),
+                 transformers.GPT2LMHeadModel),
+        "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
     }[family]
-    config = config_cls(**{**COMMON, **overrides})
+    keys = {**COMMON, **overrides}
+    renames = _KEY_RENAMES.get(family, {})
+    keys = {renames.get(k, k): v for k, v in keys.items() if renames.get(k, k) is not None}
+    config = config_cls(**keys)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -40,7 +60,7 @@ def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.2)
-                if "norm" in name:
+                elif "norm" in name or ".ln_" in name:  # GPT-2 names its LayerNorms ln_1, ln_2, ln_f
                     p.uniform_(0.5, 1.5)
     model.save_pretrained(str(path), safe_serialization=True)
     return model

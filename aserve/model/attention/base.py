@@ -61,7 +61,8 @@ class AttentionBackend(Protocol):
 
     `sliding_window` is the calling layer's own (None: full attention): a key at position p is seen
     by a query at position q when q - window < p <= q. Layers of one model may use different windows
-    in the same step; a backend may plan once per (step, window)."""
+    in the same step; a backend may plan once per (step, window). `logit_softcap` (the layer's, or
+    None) caps the scores: `softcap * tanh(scores / softcap)` before the softmax."""
 
     name: str
 
@@ -74,5 +75,6 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         ...

@@ -71,17 +71,20 @@ class TorchAttentionBackend:
         meta: AttentionMetadata | DecodeInputs,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, DecodeInputs):  # planned with the model's one window (decode_inputs)
             return torch.ops.aserve.torch_paged_decode(q, k, v, kv_cache, meta.slots, meta.block_ids, meta.mask,
                                                        meta.decode_len, meta.key_buffer, meta.value_buffer,
                                                        scale, meta.k_scale, meta.v_scale)
         kernels = self._kernels
-        use_kernel = kernels is not None and meta.num_decodes > 0 and kernels.accepts(q, kv_cache)
+        use_kernel = (kernels is not None and meta.num_decodes > 0 and logit_softcap is None
+                      and kernels.accepts(q, kv_cache))
         num_tokens = meta.num_tokens
         if use_kernel and meta.num_decodes == meta.num_seqs == q.shape[0]:  # decodes only, no padding
-            return kernels.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                                  sliding_window, (k, v, meta.slot_mapping))
+            # The kernel takes contiguous q; a view of a fused q|k|v projection (GPT-2, OPT) is not.
+            return kernels.paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens,
+                                                  scale, sliding_window, (k, v, meta.slot_mapping))
         block_size = kv_cache.shape[2]
         plan = self._plans.get(sliding_window) if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
@@ -96,26 +99,27 @@ class TorchAttentionBackend:
 
         num_decodes = meta.num_decodes
         if num_decodes == q.shape[0] and not plan.prefills:  # decodes only, no padding rows
-            return self._decode(q, kv_cache, plan, meta, scale)
+            return self._decode(q, kv_cache, plan, meta, scale, logit_softcap)
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         if num_decodes and use_kernel:
-            out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables,
-                                                               meta.seq_lens, scale, sliding_window)
+            out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes].contiguous(), kv_cache,
+                                                               meta.block_tables, meta.seq_lens, scale, sliding_window)
         elif num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale)
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale, logit_softcap)
         for seq in plan.prefills:
             keys, values = self._gather(kv_cache, seq.block_ids, 1, q.dtype, meta)
             out[seq.q_start:seq.q_end] = reference.attend_prefill(
-                q[seq.q_start:seq.q_end], keys[0, :seq.seq_len], values[0, :seq.seq_len], seq.mask, scale)
+                q[seq.q_start:seq.q_end], keys[0, :seq.seq_len], values[0, :seq.seq_len], seq.mask, scale,
+                logit_softcap)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, softcap: float | None = None) -> torch.Tensor:
         assert plan.decode_block_ids is not None
         numel = plan.decode_block_ids.shape[0] * kv_cache[0, 0].numel()
         buffers = self.buffer_pair(kv_cache.dtype, kv_cache.device, numel)
         return _attend_decodes(q, kv_cache, plan.decode_block_ids, plan.decode_mask, plan.decode_len, buffers,
-                               scale, meta.k_scale, meta.v_scale)
+                               scale, meta.k_scale, meta.v_scale, softcap)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +210,7 @@ def torch_paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cac
 
 def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor | None,
                     decode_len: int, buffers: tuple[torch.Tensor, torch.Tensor], scale: float, k_scale: float,
-                    v_scale: float) -> torch.Tensor:
+                    v_scale: float, softcap: float | None = None) -> torch.Tensor:
     """Gather the decodes' blocks into `buffers`, then attend (no mask: the first `decode_len` keys)."""
     num_seqs = q.shape[0]
     keys = reference.dequantize(reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=buffers[0]),
@@ -215,7 +219,7 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Te
                                   q.dtype, v_scale)
     if mask is None:
         keys, values = keys[:, :decode_len], values[:, :decode_len]
-    return reference.attend_decode(q, keys, values, mask, scale)
+    return reference.attend_decode(q, keys, values, mask, scale, softcap)
 
 
 @torch_paged_decode.register_fake

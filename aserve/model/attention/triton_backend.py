@@ -33,6 +33,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         num_tokens = meta.num_tokens
         reshape_and_cache(
@@ -49,7 +50,7 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 q[:num_decodes], kv_cache, meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes],
                 scale, sliding_window, meta.k_scale, meta.v_scale,
-                max_seq_len=max(meta.seq_lens_cpu[:num_decodes]), out=out[:num_decodes],
+                max_seq_len=max(meta.seq_lens_cpu[:num_decodes]), out=out[:num_decodes], softcap=logit_softcap,
             )  # fmt: skip
         if meta.num_seqs > num_decodes:
             starts = meta.query_start_loc_cpu[num_decodes : meta.num_seqs + 1]
@@ -61,6 +62,6 @@ class TritonAttentionBackend:
                 meta.k_scale, meta.v_scale,
                 query_start_loc_cpu=[s - first for s in starts],
                 seq_lens_cpu=meta.seq_lens_cpu[num_decodes : meta.num_seqs],
-                out=out[first:num_tokens],
+                out=out[first:num_tokens], softcap=logit_softcap,
             )  # fmt: skip
         return out

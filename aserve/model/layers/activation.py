@@ -32,9 +32,40 @@ class SiluAndMul(CustomOp):
         return F.silu(x[..., :n]).mul_(x[..., n:])
 
 
+class GeluAndMul(CustomOp):
+    """x `[T, 2N]` -> `gelu(x[:, :N]) * x[:, N:]` (GeGLU: Gemma's MLP); `approximate` is torch's
+    ("tanh" for `gelu_pytorch_tanh`, "none" for exact gelu). One form on every device."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1] // 2
+        return F.gelu(x[..., :n], approximate=self.approximate) * x[..., n:]
+
+
+_GATED = {"silu": None, "swish": None, "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
 def get_act_and_mul(hidden_act: str, dtype: torch.dtype | None = None) -> nn.Module:
     """The gated activation for a config's `hidden_act` in a `dtype` model; raises ValueError for ones
     not implemented."""
-    if hidden_act in ("silu", "swish"):
-        return SiluAndMul(dtype)
-    raise ValueError(f"hidden_act {hidden_act!r} is not implemented (supported: 'silu')")
+    if hidden_act not in _GATED:
+        raise ValueError(f"hidden_act {hidden_act!r} is not implemented (supported: {sorted(_GATED)})")
+    approximate = _GATED[hidden_act]
+    return SiluAndMul(dtype) if approximate is None else GeluAndMul(approximate)
+
+
+# Non-gated MLP activations (GPT-2's `activation_function`, OPT's); transformers' names. `gelu_new` is
+# the tanh approximation (NewGELUActivation), as is `gelu_pytorch_tanh`.
+_NON_GATED = {"gelu": lambda: nn.GELU(), "gelu_new": lambda: nn.GELU(approximate="tanh"),
+              "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "relu": lambda: nn.ReLU()}
+
+
+def get_act_fn(activation: str) -> nn.Module:
+    """The elementwise activation named `activation` (transformers' ACT2FN names); raises ValueError
+    for ones not implemented (aserve.config.families.NON_GATED_ACTIVATIONS lists the same names)."""
+    if activation not in _NON_GATED:
+        raise ValueError(f"activation {activation!r} is not implemented (supported: {sorted(_NON_GATED)})")
+    return _NON_GATED[activation]()

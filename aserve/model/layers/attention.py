@@ -13,11 +13,13 @@ class Attention(nn.Module):
 
     The KV cache (`[2, num_blocks, block_size, KVH, D]`) is bound after the runner allocates it;
     calling forward before `bind_kv_cache` raises RuntimeError. `sliding_window` is this layer's
-    (None: full attention); layers of one model may differ.
+    (None: full attention); layers of one model may differ. `logit_softcap` caps the scores
+    (`softcap * tanh(s / softcap)`, Gemma 2) or is None.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 backend: AttentionBackend, sliding_window: int | None = None):
+                 backend: AttentionBackend, sliding_window: int | None = None,
+                 logit_softcap: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
@@ -28,6 +30,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -46,6 +49,6 @@ class Attention(nn.Module):
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache, meta, self.scale, self.sliding_window,
+            self.kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)

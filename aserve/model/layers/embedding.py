@@ -28,6 +28,18 @@ class VocabEmbedding(nn.Module):
         _copy_checked(param.data, loaded)
 
 
+class PositionEmbedding(VocabEmbedding):
+    """Learned absolute positions: positions `[T]` -> rows `positions + offset` of a
+    `[max_positions + offset, embedding_dim]` table (OPT's table starts at offset 2; GPT-2's at 0)."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, offset: int = 0, dtype: torch.dtype | None = None):
+        super().__init__(max_positions + offset, embedding_dim, dtype)
+        self.offset = offset
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset if self.offset else positions, self.weight)
+
+
 class LMHead(nn.Module):
     """hidden `[N, hidden]` -> logits `[N, vocab]` in float32. `tie_to` shares the embedding's weight."""
 

@@ -86,6 +86,23 @@ class MergedLinear(Linear):
         return y.split(self.output_sizes, dim=-1)
 
 
+class Conv1DLinear(Linear):
+    """A `Linear` whose checkpoint stores the weight `[input_size, output_size]` (transformers'
+    `Conv1D`, GPT-2): 2-D checkpoint tensors are transposed as they load, so every method sees the
+    usual `[output_size, input_size]`."""
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        super().load_shard(param, loaded.t() if loaded.dim() == 2 else loaded, shard_id)
+
+
+class MergedConv1DLinear(MergedLinear):
+    """A `MergedLinear` (e.g. GPT-2's fused q|k|v `c_attn`) whose checkpoint stores the weight
+    `[input_size, sum(output_sizes)]`, transposed as it loads (see `Conv1DLinear`)."""
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        super().load_shard(param, loaded.t() if loaded.dim() == 2 else loaded, shard_id)
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")

@@ -49,3 +49,76 @@ class RMSNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, form={self.form}"
+
+
+class GemmaRMSNorm(CustomOp):
+    """Gemma's RMSNorm: `normalize(x) * (1 + weight)`, computed in float32 and rounded to x's dtype
+    once (Llama rounds before scaling); the checkpoint stores `weight` zero-centred. Same call
+    forms as `RMSNorm`: `forward(x)` or `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
+    One form on every device (the norm is a small part of a step)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            summed = x + residual
+            return self.forward_native(summed), summed
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    load_shard = RMSNorm.load_shard
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps} (1 + w)"
+
+
+class LayerNorm(CustomOp):
+    """`torch.nn.LayerNorm` over the last dim, with `RMSNorm`'s call forms: `forward(x)` -> normed;
+    `forward(x, residual)` -> `(normed(x + residual), x + residual)`. Without `elementwise_affine` it
+    has no weight and no bias (OPT's `layer_norm_elementwise_affine=False`).
+
+    In a model of lower precision than float32, x (or the residual) may be float32 rows (a projection's
+    unrounded `float_output`, on CPU): the sum then stays float32, so the residual stream does too, and
+    the normed output is computed in float32 and rounded once to the model's dtype. Otherwise this is
+    `F.layer_norm` in x's dtype, as transformers computes it. One form on every device.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.dtype = dtype or torch.get_default_dtype()
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            summed = x + residual
+            return self._norm(summed), summed
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if x.dtype == self.dtype:
+            return F.layer_norm(x, (self.hidden_size,), weight, bias, self.eps)
+        # Float32 rows in a lower-precision model: norm in float32, one rounding.
+        return F.layer_norm(x.float(), (self.hidden_size,), None if weight is None else weight.float(),
+                            None if bias is None else bias.float(), self.eps).to(self.dtype)
+
+    load_shard = RMSNorm.load_shard
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, elementwise_affine={self.weight is not None}"

@@ -1,9 +1,24 @@
 """Rotary position embeddings (RoPE) with the Hugging Face scaling variants.
 
 The cos/sin table is built once for every position the model can see. Supported `rope_scaling`
-types: None/default, linear, dynamic (NTK), llama3, yarn. Frequencies follow transformers'
-`modeling_rope_utils` exactly, except `dynamic`: a paged KV cache cannot re-rotate cached keys as
-the sequence grows, so (like vLLM) the base is scaled once for the full extended length.
+types: None/default, linear, dynamic (NTK), llama3, yarn, longrope (Phi-3).
+Frequencies follow transformers' `modeling_rope_utils` exactly, except where transformers changes
+them with the sequence length, because a paged KV cache cannot re-rotate cached keys as the
+sequence grows:
+
+- `dynamic`: (like vLLM) the base is scaled once for the full extended length.
+- `longrope` (Phi-3 configs' old names "su" and "yarn" are read as it by the config parser): each
+  table row picks its factor set by its own position: positions below
+  `original_max_position_embeddings` use `short_factor`, positions at or past it `long_factor`;
+  `attention_factor` (default `sqrt(1 + ln(factor) / ln(original_max))`,
+  `factor = max_position_embeddings / original_max` unless given) scales every row. transformers
+  uses the short factors for a whole sequence while it stays within
+  `original_max_position_embeddings` (such sequences match it exactly) and re-rotates the whole
+  sequence with the long factors once its length passes that; here a longer sequence keeps its
+  first `original_max` positions (and their cached keys) on the short factors, so its logits drift
+  from transformers' once it passes that length. (vLLM instead switches every token of a step to
+  the long factors when any position in the step passes `original_max`, which makes a sequence's
+  rotation depend on its batch mates; a per-position table does not.)
 """
 
 from __future__ import annotations
@@ -15,7 +30,7 @@ import torch
 from aserve.kernels import reference
 from aserve.model.layers.custom_op import CustomOp
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 class RotaryEmbedding(CustomOp):
@@ -37,7 +52,7 @@ class RotaryEmbedding(CustomOp):
         self.is_neox = is_neox
         inv_freq, attention_factor, num_positions = _inv_freq(rotary_dim, base, max_position, rope_scaling)
         t = torch.arange(num_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = t[:, None] * inv_freq  # inv_freq: one row for every position, or one row per position
         cache = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
         # Stored in the model dtype: HF casts fp32 cos/sin to the activations' dtype before use.
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
@@ -80,7 +95,8 @@ def _rotate_neox_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 def _inv_freq(dim: int, base: float, max_position: int,
               scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float, int]:
-    """(inverse frequencies `[dim // 2]`, cos/sin multiplier, number of positions to tabulate)."""
+    """(inverse frequencies `[dim // 2]`, or `[num_positions, dim // 2]` where they depend on the
+    position (longrope), cos/sin multiplier, number of positions to tabulate)."""
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base ** exponents)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -97,6 +113,8 @@ def _inv_freq(dim: int, base: float, max_position: int,
         return 1.0 / (scaled_base ** exponents), 1.0, num_positions
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, factor, scaling), 1.0, max_position
+    if kind == "longrope":
+        return _longrope_inv_freq(exponents, base, max_position, scaling)
     return _yarn_inv_freq(dim, base, max_position, scaling)
 
 
@@ -112,6 +130,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, scaling: dict[str, A
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _longrope_inv_freq(exponents: torch.Tensor, base: float, max_position: int,
+                       scaling: dict[str, Any]) -> tuple[torch.Tensor, float, int]:
+    """transformers' `_compute_longrope_parameters`, per position: rows below
+    `original_max_position_embeddings` divide by `short_factor`, the rest by `long_factor`."""
+    original = int(scaling.get("original_max_position_embeddings") or max_position)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    rows = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.shape != exponents.shape:
+            raise ValueError(f"rope_scaling {key} has {ext.numel()} entries; the rotary dims need "
+                             f"{exponents.numel()} (rotary_dim // 2)")
+        rows.append(1.0 / (ext * base ** exponents))
+    short, long = rows
+    num_short = min(original, max_position)
+    inv_freq = torch.cat((short.expand(num_short, -1), long.expand(max_position - num_short, -1)))
+    return inv_freq, float(attention_factor), max_position
 
 
 def _yarn_inv_freq(dim: int, base: float, max_position: int,

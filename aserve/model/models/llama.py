@@ -99,12 +99,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, options: LlamaAttentionOptions, backend: AttentionBackend,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, rotary_dim: int | None = None):
+        """`rotary_dim`: how many leading dims of each head the rotary turns (default: all; Phi-3's
+        `partial_rotary_factor` turns fewer)."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         # One cos/sin table shared by every layer.
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                      arch.rope_scaling, is_neox=True, dtype=dtype)
+        self.rotary = RotaryEmbedding(arch.head_dim, rotary_dim or arch.head_dim, arch.max_position_embeddings,
+                                      arch.rope_theta, arch.rope_scaling, is_neox=True, dtype=dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, i, options, self.rotary, backend, dtype) for i in range(arch.num_hidden_layers)
         )

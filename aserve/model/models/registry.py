@@ -5,11 +5,20 @@ from __future__ import annotations
 from torch import nn
 
 from aserve.config import SUPPORTED_ARCHITECTURES
+from aserve.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from aserve.model.models.gpt2 import GPT2LMHeadModel
 from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from aserve.model.models.opt import OPTForCausalLM
+from aserve.model.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }

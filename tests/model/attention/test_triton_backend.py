@@ -73,10 +73,10 @@ def _step(batch, block_size, device, gen, *, num_padding=0, cache_dtype=torch.fl
     return cache.to(device), q.to(device), k.to(device), v.to(device), meta
 
 
-def _both(cache, q, k, v, meta, sliding_window=None):
+def _both(cache, q, k, v, meta, sliding_window=None, softcap=None):
     torch_cache, triton_cache = cache.clone(), cache.clone()
-    want = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, HEAD_DIM**-0.5, sliding_window)
-    got = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, HEAD_DIM**-0.5, sliding_window)
+    want = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, HEAD_DIM**-0.5, sliding_window, softcap)
+    got = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, HEAD_DIM**-0.5, sliding_window, softcap)
     assert torch.equal(triton_cache.view(torch.uint8), torch_cache.view(torch.uint8))
     return got, want
 
@@ -95,6 +95,17 @@ def test_padded_batch_and_sliding_window(device, gen):
     got, want = _both(cache, q, k, v, meta, sliding_window=5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert torch.all(got[meta.num_tokens :] == 0)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 3.0])
+def test_logit_softcap_with_a_window(device, gen, softcap):
+    """Gemma 2's capped scores (the small cap changes the distribution a lot) in decode and prefill."""
+    cache, q, k, v, meta = _step(BATCHES["mixed"], 8, device, gen)
+    q = q * 8  # scores well past the cap
+    got, want = _both(cache, q, k, v, meta, sliding_window=5, softcap=softcap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    uncapped, _ = _both(cache, q, k, v, meta, sliding_window=5)
+    assert not torch.allclose(got, uncapped, atol=1e-3)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
