@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from aserve.config import AserveConfig
 from aserve.model.attention.base import AttentionBackend
+from aserve.model.layers.norm import NORM_LAYERS
 from aserve.model.models.registry import get_model_class
 from aserve.model.quantization import assign, load_time_method
 from aserve.model.quantization.gguf_reader import GGUFLinearWeights
@@ -119,16 +120,20 @@ def _read_tensor(files: list[str], name: str) -> torch.Tensor:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Fill every parameter with uniform noise in [-1e-3, 1e-3] (norm weights around 1), reproducibly."""
+    """Fill every parameter with uniform noise in [-1e-3, 1e-3], norm weights around their layer's
+    `identity_weight` (1 for RMSNorm / LayerNorm, 0 for Gemma's `1 + w`), reproducibly."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    modules = dict(model.named_modules())
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
         noise = torch.rand(param.shape, generator=gen, dtype=torch.float32) * (2 * _DUMMY_RANGE) - _DUMMY_RANGE
-        if "norm" in name:
-            noise += 1.0
+        owner, leaf = name.rsplit(".", 1)
+        module = modules[owner]
+        if leaf == "weight" and isinstance(module, NORM_LAYERS):
+            noise += module.identity_weight
         param.data.copy_(noise)
 
 

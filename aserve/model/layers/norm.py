@@ -20,6 +20,8 @@ class RMSNorm(CustomOp):
     identical in fp32, within one bf16 rounding of the native form in bf16.
     """
 
+    identity_weight = 1.0  # the `weight` that leaves normalized rows unscaled (dummy weights)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
@@ -57,6 +59,8 @@ class GemmaRMSNorm(CustomOp):
     forms as `RMSNorm`: `forward(x)` or `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
     One form on every device (the norm is a small part of a step)."""
 
+    identity_weight = 0.0  # the scale is (1 + weight): 0 leaves normalized rows unscaled (dummy weights)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.eps = eps
@@ -88,6 +92,8 @@ class LayerNorm(CustomOp):
     the normed output is computed in float32 and rounded once to the model's dtype. Otherwise this is
     `F.layer_norm` in x's dtype, as transformers computes it. One form on every device.
     """
+
+    identity_weight = 1.0  # the `weight` that leaves normalized rows unscaled (dummy weights)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True,
                  dtype: torch.dtype | None = None):
@@ -122,3 +128,6 @@ class LayerNorm(CustomOp):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, elementwise_affine={self.weight is not None}"
+
+
+NORM_LAYERS = (RMSNorm, GemmaRMSNorm, LayerNorm)  # the layers with an `identity_weight`
