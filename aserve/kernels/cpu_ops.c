@@ -21,7 +21,7 @@ static inline void load_row(const void *x, int64_t is_f32, int64_t r, int64_t st
 
 void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,
                        int64_t residual_f32, const bf16 *weight, bf16 *out, float *sum_out, int64_t rows,
-                       int64_t n, float eps) {
+                       int64_t n, float eps, float weight_offset) {
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t r = 0; r < rows; r++) {
         float xr[n];
@@ -35,13 +35,13 @@ void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const voi
 #pragma omp simd reduction(+ : ss)
             for (int64_t i = 0; i < n; i++) ss += sr[i] * sr[i];
             const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-            for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(sr[i] * inv * bf16_to_f32(weight[i]));
+            for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(sr[i] * inv * (weight_offset + bf16_to_f32(weight[i])));
             continue;
         }
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < n; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(xr[i] * inv * bf16_to_f32(weight[i]));
+        for (int64_t i = 0; i < n; i++) orow[i] = f32_to_bf16(xr[i] * inv * (weight_offset + bf16_to_f32(weight[i])));
     }
 }
 
@@ -101,7 +101,8 @@ void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out
  * compile-time constant where this is inlined for a common head size (the inner loops unroll). */
 static inline __attribute__((always_inline)) void attend_kv_head(
     const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, int64_t start,
-    int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale) {
+    int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale,
+    float softcap) {
     float qf[MAX_GROUP * D], acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][KEY_CHUNK], kv[D];
     for (int64_t h = 0; h < G; h++) {
         for (int64_t i = 0; i < D; i++) {
@@ -142,6 +143,8 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             }
         }
         for (int64_t h = 0; h < G; h++) {
+            if (softcap > 0.0f) /* Gemma 2: scores capped as softcap * tanh(s / softcap) */
+                for (int64_t j = 0; j < n; j++) s[h][j] = softcap * tanhf(s[h][j] / softcap);
             float mx = m[h];
             for (int64_t j = 0; j < n; j++) mx = s[h][j] > mx ? s[h][j] : mx;
             const float corr = fast_exp(m[h] - mx); /* 0 on the first chunk (m = -inf) */
@@ -207,13 +210,13 @@ static inline __attribute__((always_inline)) void attend_kv_head(
  * start = len - window when window > 0 and len > window, else 0). If slots is not NULL, first writes
  * the new keys / values k_new, v_new [B, KVH, D] (token strides k_stride, v_stride) at slots [B] (int64,
  * -1 = skip). out [B, H, D] contiguous. Query head h uses KV head h / (H / KVH), H / KVH <= 16.
- * Online softmax in fp32.
+ * Online softmax in fp32; softcap > 0 caps the scaled scores as softcap * tanh(s / softcap).
  */
 void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
                                  const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                  const int64_t *slots, const bf16 *k_new, int64_t k_stride, const bf16 *v_new,
                                  int64_t v_stride, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                                 int64_t block_size, int64_t window, float scale) {
+                                 int64_t block_size, int64_t window, float scale, float softcap) {
     const int64_t row = KVH * D; /* elements per cache slot */
     if (slots) {
         for (int64_t b = 0; b < B; b++) {
@@ -235,13 +238,13 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
             bf16 *og = out + (b * H + g * G) * D;
             switch (D) {
             case 64:
-                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale);
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
                 break;
             case 128:
-                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale);
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
                 break;
             default:
-                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale);
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
             }
         }
     }

@@ -45,13 +45,13 @@ _ROW_DTYPES = (torch.bfloat16, torch.float32)  # inputs the norm and the activat
 _is_compiling = torch.compiler.is_compiling
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "add_rms_norm_bf16": (_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _F),
+    "add_rms_norm_bf16": (_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _F, _F),
     "rotary_neox_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "silu_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
-    "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F),
+    "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
 }
 
 
@@ -170,10 +170,12 @@ class CpuKernels:
         return True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 residual: torch.Tensor | None = None,
+                 weight_offset: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x `[T, N]` (bf16, or float32: a projection's unrounded output) -> bf16 `rms_norm(x) * weight [N]`;
         with `residual` (`[T, N]`, bf16 or float32): `(rms_norm(s) * weight, s)` for `s = x + residual` in
-        float32, unrounded (so a model's residual stream stays float32 between layers)."""
+        float32, unrounded (so a model's residual stream stays float32 between layers). The scale is
+        `weight_offset + weight` in float32 (Gemma's `1 + w`: pass 1.0)."""
         rows, n = x.shape
         if weight.shape[0] != n or x.dtype not in _ROW_DTYPES:
             raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} needs weight [{n}] and bf16/float32 rows")
@@ -181,13 +183,14 @@ class CpuKernels:
         x_f32 = x.dtype == torch.float32
         if residual is None:
             self._norm(x.data_ptr(), x.stride(0), x_f32, None, 0, 0, weight.data_ptr(), out.data_ptr(), None, rows,
-                       n, eps)
+                       n, eps, weight_offset)
             return out
         if residual.shape != x.shape or residual.stride(1) != 1 or residual.dtype not in _ROW_DTYPES:
             raise ValueError(f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)}")
         summed = torch.empty((rows, n), dtype=torch.float32)
         self._norm(x.data_ptr(), x.stride(0), x_f32, residual.data_ptr(), residual.stride(0),
-                   residual.dtype == torch.float32, weight.data_ptr(), out.data_ptr(), summed.data_ptr(), rows, n, eps)
+                   residual.dtype == torch.float32, weight.data_ptr(), out.data_ptr(), summed.data_ptr(), rows, n, eps,
+                   weight_offset)
         return out, summed
 
     def rotary_neox(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,13 +301,15 @@ class CpuKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                               new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                               new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
         """One query token per sequence, q `[B, H, D]` (contiguous), against a layer's contiguous cache
         `[2, blocks, block_size, KVH, D]`: sequence b sees positions `[0, seq_lens[b])` through
         `block_tables[b]` (int32 rows with unit stride, every entry a valid block; int32 `seq_lens`,
         contiguous), only the last `sliding_window` of them when set. `new_kv = (k, v, slots)`, k/v
         `[B, KVH, D]` with packed heads and slots int64 `[B]` (-1: skipped), is written into the cache
-        first. Returns `[B, H, D]`; H must be a multiple of KVH, at most 16 times it."""
+        first. `softcap` caps the scores (`softcap * tanh(s / softcap)`). Returns `[B, H, D]`; H must be a
+        multiple of KVH, at most 16 times it."""
         num_seqs, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
@@ -327,5 +332,5 @@ class CpuKernels:
         self._attend(q.data_ptr(), out.data_ptr(), cache, cache + half * kv_cache.element_size(),
                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), new[0], new[1], new[2],
                      new[3], new[4], num_seqs, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0,
-                     scale)
+                     scale, softcap or 0.0)
         return out

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aserve.kernels import cpu_ops
+from aserve.kernels import cpu_ops, reference
 
 BF16 = torch.bfloat16
 MARCHES = ["native"] + (["x86-64-v3", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else [])
@@ -144,8 +144,9 @@ def test_linear_int4(kernels, rows):
     assert_rounded_once(kernels.linear_int4(x, packed, bias), want, exact_fraction=0.95)
 
 
-def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window):
-    """fp32 SDPA over each sequence's gathered keys / values (the last `window` of them when set)."""
+def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window, softcap=None):
+    """fp32 SDPA over each sequence's gathered keys / values (the last `window` of them when set);
+    with `softcap`, aserve's reference capped attention."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     outs = []
     for b in range(q.shape[0]):
@@ -156,7 +157,11 @@ def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window):
         keys, values = keys[start:], values[start:]
         group = q.shape[1] // num_kv_heads
         query = q[b].float().view(num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(query, keys.transpose(0, 1), values.transpose(0, 1), scale=scale)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(query, keys.transpose(0, 1), values.transpose(0, 1), scale=scale)
+        else:
+            out = reference.softcapped_attention(query, keys.transpose(0, 1), values.transpose(0, 1), None, scale,
+                                                 softcap)
         outs.append(out.reshape(-1, head_dim))
     return torch.stack(outs)
 
@@ -173,6 +178,28 @@ def test_paged_decode_attention(kernels, heads, kv_heads, head_dim, window):
     got = kernels.paged_decode_attention(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
     want = _reference_decode(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("softcap", [0.3, 2.0])
+def test_paged_decode_attention_with_a_logit_softcap(kernels, softcap):
+    gen = torch.Generator().manual_seed(19)
+    kv_cache = _rand(2, 40, 16, 2, 64, seed=20)
+    seq_lens = torch.tensor([5, 130], dtype=torch.int32)
+    block_tables = torch.randperm(40, generator=gen)[:18].view(2, 9).to(torch.int32)
+    q = _rand(2, 8, 64, seed=21, scale=4.0)  # scores well past the cap
+    got = kernels.paged_decode_attention(q, kv_cache, block_tables, seq_lens, 0.125, 21, softcap=softcap)
+    want = _reference_decode(q, kv_cache, block_tables, seq_lens, 0.125, 21, softcap)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    uncapped = _reference_decode(q, kv_cache, block_tables, seq_lens, 0.125, 21)
+    assert not torch.allclose(want, uncapped, atol=5e-2)
+
+
+def test_rms_norm_weight_offset_is_gemmas_one_plus_w(kernels):
+    x, residual = _rand(5, 64, seed=22), _rand(5, 64, seed=23)
+    weight = (_rand(64, seed=24).float() * 0.05).to(BF16)  # zero-centred, as Gemma stores it
+    out, summed = kernels.rms_norm(x, weight, 1e-6, residual, weight_offset=1.0)
+    want = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())
+    assert_rounded_once(out, want)
 
 
 def test_paged_decode_attention_writes_new_keys_first_and_skips_minus_one_slots(kernels):

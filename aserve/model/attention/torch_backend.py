@@ -78,13 +78,12 @@ class TorchAttentionBackend:
                                                        meta.decode_len, meta.key_buffer, meta.value_buffer,
                                                        scale, meta.k_scale, meta.v_scale)
         kernels = self._kernels
-        use_kernel = (kernels is not None and meta.num_decodes > 0 and logit_softcap is None
-                      and kernels.accepts(q, kv_cache))
+        use_kernel = kernels is not None and meta.num_decodes > 0 and kernels.accepts(q, kv_cache)
         num_tokens = meta.num_tokens
         if use_kernel and meta.num_decodes == meta.num_seqs == q.shape[0]:  # decodes only, no padding
             # The kernel takes contiguous q; a view of a fused q|k|v projection (GPT-2, OPT) is not.
             return kernels.paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens,
-                                                  scale, sliding_window, (k, v, meta.slot_mapping))
+                                                  scale, sliding_window, (k, v, meta.slot_mapping), logit_softcap)
         block_size = kv_cache.shape[2]
         plan = self._plans.get(sliding_window) if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
@@ -103,7 +102,8 @@ class TorchAttentionBackend:
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         if num_decodes and use_kernel:
             out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes].contiguous(), kv_cache,
-                                                               meta.block_tables, meta.seq_lens, scale, sliding_window)
+                                                               meta.block_tables, meta.seq_lens, scale, sliding_window,
+                                                               softcap=logit_softcap)
         elif num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale, logit_softcap)
         for seq in plan.prefills:

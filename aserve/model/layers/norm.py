@@ -57,7 +57,8 @@ class GemmaRMSNorm(CustomOp):
     """Gemma's RMSNorm: `normalize(x) * (1 + weight)`, computed in float32 and rounded to x's dtype
     once (Llama rounds before scaling); the checkpoint stores `weight` zero-centred. Same call
     forms as `RMSNorm`: `forward(x)` or `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
-    One form on every device (the norm is a small part of a step)."""
+    CPU, in a bf16 model: the C kernel with a weight offset of 1 (the same float32 arithmetic, one
+    rounding), which also takes float32 rows and keeps a float32 residual stream, as `RMSNorm`'s does."""
 
     identity_weight = 0.0  # the scale is (1 + weight): 0 leaves normalized rows unscaled (dummy weights)
 
@@ -74,7 +75,16 @@ class GemmaRMSNorm(CustomOp):
             return self.forward_native(summed), summed
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * (1.0 + self.weight.float())).to(self.weight.dtype)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernels = self.cpu_kernels
+        if (kernels is not None and self.weight.dtype == torch.bfloat16 and kernels.accepts_rows(x)
+                and (residual is None or kernels.accepts_rows(residual))):
+            return kernels.rms_norm(x, self.weight, self.eps, residual, weight_offset=1.0)
+        return self.forward_native(x, residual)
 
     load_shard = RMSNorm.load_shard
 

@@ -48,8 +48,9 @@ class GemmaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, meta))
 
