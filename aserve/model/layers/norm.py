@@ -21,6 +21,7 @@ class RMSNorm(CustomOp):
     """
 
     identity_weight = 1.0  # the `weight` that leaves normalized rows unscaled (dummy weights)
+    weight_offset = 0.0  # the C kernel scales by (weight_offset + weight) in float32
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
@@ -38,7 +39,13 @@ class RMSNorm(CustomOp):
         kernels = self.cpu_kernels
         if (kernels is not None and self.weight.dtype == torch.bfloat16 and kernels.accepts_rows(x)
                 and (residual is None or kernels.accepts_rows(residual))):
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+            return kernels.rms_norm(x, self.weight, self.eps, residual, weight_offset=self.weight_offset)
+        return self.forward_cpu_torch(x, residual)
+
+    def forward_cpu_torch(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The CPU form when the C kernel does not apply."""
         if residual is None:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         summed = x + residual
@@ -53,7 +60,7 @@ class RMSNorm(CustomOp):
         return f"{self.weight.shape[0]}, eps={self.eps}, form={self.form}"
 
 
-class GemmaRMSNorm(CustomOp):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: `normalize(x) * (1 + weight)`, computed in float32 and rounded to x's dtype
     once (Llama rounds before scaling); the checkpoint stores `weight` zero-centred. Same call
     forms as `RMSNorm`: `forward(x)` or `forward(x, residual)` -> `(normed(x + residual), x + residual)`.
@@ -61,11 +68,11 @@ class GemmaRMSNorm(CustomOp):
     rounding), which also takes float32 rows and keeps a float32 residual stream, as `RMSNorm`'s does."""
 
     identity_weight = 0.0  # the scale is (1 + weight): 0 leaves normalized rows unscaled (dummy weights)
+    weight_offset = 1.0
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        super().__init__(hidden_size, eps, dtype)
+        self.weight.data.zero_()
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -77,19 +84,10 @@ class GemmaRMSNorm(CustomOp):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(self.weight.dtype)
 
-    def forward_cpu(
+    def forward_cpu_torch(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernels = self.cpu_kernels
-        if (kernels is not None and self.weight.dtype == torch.bfloat16 and kernels.accepts_rows(x)
-                and (residual is None or kernels.accepts_rows(residual))):
-            return kernels.rms_norm(x, self.weight, self.eps, residual, weight_offset=1.0)
         return self.forward_native(x, residual)
-
-    load_shard = RMSNorm.load_shard
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps} (1 + w)"
 
 
 class LayerNorm(CustomOp):
