@@ -22,6 +22,7 @@ from typing import Any
 from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from aserve.config.compilation import parse_compilation_config
 from aserve.config.errors import ConfigError, require
+from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.resolve import resolve_config
 from aserve.config.schema import AserveConfig
 
@@ -50,6 +51,7 @@ _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("device", _DEVICES, None),
     ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni' or 'mp' (ray is not implemented yet)"),
     ("attention_backend", _ATTENTION_BACKENDS, "'torch' or 'triton'"),
+    ("model_impl", MODEL_IMPLS, None),
     ("tokenizer_mode", _TOKENIZER_MODES, None),
 )
 
@@ -103,6 +105,8 @@ class EngineArgs:
     attention_backend: str | None = None
     quantization: str | None = None
     disable_sliding_window: bool = False
+    # auto: aserve's native class when there is one, else the Transformers backend (aserve/config/model_impl.py)
+    model_impl: str = "auto"
     guided_decoding_backend: str = "auto"
     # vLLM's newer spelling: {"backend": "xgrammar", ...}; its backend wins over guided_decoding_backend.
     structured_outputs_config: dict[str, Any] | None = None
@@ -188,6 +192,8 @@ class EngineArgs:
             require(self.swap_space > 0, "swap_space", "must be > 0 when --preemption-mode=swap")
         if isinstance(self.served_model_name, list):
             require(len(self.served_model_name) > 0, "served_model_name", "must name at least one model")
+        if self.model_impl == "transformers":  # with auto, resolve_config checks once the backend is chosen
+            check_transformers_args(self)
 
     def _reject_unimplemented(self) -> None:
         """Accepted-but-unimplemented arguments fail loudly here instead of being ignored."""

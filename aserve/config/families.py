@@ -259,13 +259,15 @@ def _moe_fields(cfg: dict[str, Any], architecture: str) -> MoeFields:
     expert. Qwen2-MoE: as its config says, with a shared expert. Qwen3-MoE: as Qwen2-MoE without one."""
     for key, neutral in _NEUTRAL_ROUTER_OPTIONS.items():
         require_key(cfg, key, neutral, "this MoE routing option is not implemented")
-    require_key(cfg, "hidden_act", lambda a: a in (None, "silu"), "MoE experts implement SiLU only")
+    require_key(cfg, "hidden_act", lambda a: a in (None, "silu", "swish"), "MoE experts implement SiLU only")
     mixtral = architecture == "MixtralForCausalLM"
+    # The config classes map num_experts <-> num_local_experts (transformers writes either).
+    names = ("num_local_experts", "num_experts") if mixtral else ("num_experts", "num_local_experts")
+    given = [cfg[name] for name in names if cfg.get(name) is not None]
     cfg = {**_MOE_DEFAULTS[architecture], **cfg}
-    # Both Qwen configs map num_experts <-> num_local_experts (transformers writes either).
-    num_experts = int(cfg["num_local_experts"] if mixtral or "num_experts" not in cfg else cfg["num_experts"])
+    num_experts = int(given[0] if given else cfg[names[0]])
     top_k = int(cfg["num_experts_per_tok"])
-    require_key(cfg, "num_experts_per_tok", lambda k: 1 <= int(k) <= num_experts,
+    require_key(cfg, "num_experts_per_tok", lambda k: num_experts == 0 or 1 <= int(k) <= num_experts,
                 f"must be between 1 and the number of experts ({num_experts})")
     step = 1 if mixtral else int(cfg.get("decoder_sparse_step") or 1)
     require_key({"decoder_sparse_step": step}, "decoder_sparse_step", lambda s: s >= 1, "must be >= 1")
@@ -289,8 +291,9 @@ def _mixtral_derived(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-for _moe_architecture in _MOE_DEFAULTS:
-    FAMILY_PARSERS[_moe_architecture] = lambda cfg, _a=_moe_architecture: _moe_fields(cfg, _a)
+FAMILY_PARSERS["MixtralForCausalLM"] = lambda cfg: _moe_fields(cfg, "MixtralForCausalLM")
+FAMILY_PARSERS["Qwen2MoeForCausalLM"] = lambda cfg: _moe_fields(cfg, "Qwen2MoeForCausalLM")
+FAMILY_PARSERS["Qwen3MoeForCausalLM"] = lambda cfg: _moe_fields(cfg, "Qwen3MoeForCausalLM")
 DERIVED_KEYS["MixtralForCausalLM"] = _mixtral_derived
 # Qwen2-MoE's q/k/v bias is `qkv_bias` (default True; o_proj never has one); it reads no attention_bias.
 DERIVED_KEYS["Qwen2MoeForCausalLM"] = lambda cfg: {"attention_bias": bool(cfg.get("qkv_bias", True))}

@@ -22,7 +22,8 @@ from aserve.config.families import ROPE_TYPE_ALIASES, normalize_keys, parse_fami
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                      "Qwen3ForCausalLM", "Gemma2ForCausalLM",
                                      "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel",
-                                     "OPTForCausalLM"})
+                                     "OPTForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                     "Qwen3MoeForCausalLM"})
 
 # Architectures refused with a reason beyond "no model class" (appended to the refusal).
 REFUSAL_REASONS = {

@@ -14,9 +14,13 @@ from aserve.config.dtype_policy import resolve_dtype
 from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
 from aserve.config.families import normalize_keys
+from aserve.config.model_impl import (
+    check_transformers_args,
+    choose_model_impl,
+    eager_for_transformers,
+    transformers_arch_config,
+)
 from aserve.config.hf_config import (
-    REFUSAL_REASONS,
-    SUPPORTED_ARCHITECTURES,
     ArchConfig,
     architecture_of,
     derived_max_model_len,
@@ -57,9 +61,12 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         overrides["rope_scaling"] = args.rope_scaling
     hf_cfg = {**hf_cfg, **overrides}
     name = architecture_of(hf_cfg)
-    require(name in SUPPORTED_ARCHITECTURES, "model", f"architecture {name!r} is not supported"
-            f"{REFUSAL_REASONS.get(name, '')}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    arch = ArchConfig.from_hf_dict(hf_cfg, disable_sliding_window=args.disable_sliding_window)
+    model_impl = choose_model_impl(args.model_impl, name, hf_cfg)
+    if model_impl == "transformers":
+        check_transformers_args(args)
+        arch = transformers_arch_config(hf_cfg)
+    else:
+        arch = ArchConfig.from_hf_dict(hf_cfg, disable_sliding_window=args.disable_sliding_window)
 
     device = args.device
     if device == "auto":
@@ -98,8 +105,12 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         generation_config=args.generation_config,
         arch=arch,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        model_impl=model_impl,
+        hf_overrides=overrides or None,
     )
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
+    if model_impl == "transformers":
+        compilation = eager_for_transformers(compilation, device)
     return AserveConfig(
         model=model_cfg,
         cache=CacheConfig(
@@ -139,7 +150,8 @@ def _max_model_len(args: EngineArgs, hf_cfg: dict, arch: ArchConfig) -> int:
     has a window, the context is capped at the window (as vLLM does), so full attention computes
     exactly what the windowed model would."""
     limit = derived_max_model_len(arch)
-    windows = [w for w in layer_sliding_windows(normalize_keys(arch.architecture, hf_cfg), arch.architecture) if w]
+    windows = [w for w in layer_sliding_windows(normalize_keys(arch.architecture, hf_cfg), arch.architecture)
+               if w] if args.disable_sliding_window else []  # (refused with the Transformers backend)
     if args.disable_sliding_window and windows and min(windows) < limit:
         limit = min(windows)
         require(args.max_model_len is None or args.max_model_len <= limit, "max_model_len",

@@ -10,6 +10,7 @@ runner learns at start-up (the KV block count) lives in `KVCacheInfo`, never wri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from aserve.config.hf_config import ArchConfig
 
@@ -31,6 +32,10 @@ class ModelConfig:
     generation_config: str  # "auto" | "vllm" | a folder holding generation_config.json
     arch: ArchConfig
     skip_tokenizer_init: bool = False
+    model_impl: str = "aserve"  # resolved --model-impl: "aserve" (native class) | "transformers" (the fallback)
+    # config.json keys the user overrode (--hf-overrides, --rope-theta, --rope-scaling); the Transformers
+    # backend sets them on transformers' config object (ArchConfig already has them merged)
+    hf_overrides: dict[str, Any] | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -96,9 +101,14 @@ class RunnerConfig:
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Grammar-constrained decoding: the backend a request that names none uses ("auto": xgrammar,
-    or guidance for what only it serves; "xgrammar"; "guidance")."""
+    or guidance for what only it serves; "xgrammar"; "guidance"), and server-wide options every
+    request gets (a request may turn them on for itself, not off; see aserve/config/guided_decoding.py):
+    compact JSON, objects closed unless the schema says otherwise, no routing to guidance in auto."""
 
     backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
 
 @dataclass(frozen=True)

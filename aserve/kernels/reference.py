@@ -288,3 +288,47 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x `[T, 2N]` -> `silu(x[:, :N]) * x[:, N:]`."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The token-expert pairs of `topk_ids [T, k]` grouped by expert: `(order, tokens, counts)`.
+
+    `order [T*k]`: flat pair indices (`t * k + j`) sorted by expert, token order kept within an
+    expert; `tokens = order // k`; `counts[e]`: pairs routed to expert e (read on the host: one sync).
+    """
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, order // topk_ids.shape[1], counts
+
+
+def grouped_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                expert_fn, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each token's `sum_j topk_weights[t, j] * expert_fn(topk_ids[t, j], x[t])`, grouped by expert:
+    the pairs sorted by expert, `expert_fn(e, rows [n_e, H]) -> [n_e, H]` called once per expert that
+    has pairs (no per-token Python), weighted and summed per token with `index_add_` in float32 (in
+    expert order for every token, as Hugging Face does). Returns `[T, H]` in `out_dtype` (x's dtype)."""
+    order, tokens, counts = sort_by_expert(topk_ids, num_experts)
+    rows = x.index_select(0, tokens)
+    weights = topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1)
+    expert_out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            expert_out[start:start + n] = expert_fn(expert, rows[start:start + n])
+            start += n
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, expert_out.mul_(weights))
+    return out if out_dtype == torch.float32 else out.to(out_dtype or x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs: x `[T, H]`, stacked gate|up weights `w13 [E, 2I, H]` (gate rows
+    first), down weights `w2 [E, H, I]`, each token's experts `topk_ids [T, k]` and their weights
+    `topk_weights [T, k]` -> `[T, H]` in x's dtype (`grouped_moe` with one matmul pair per expert)."""
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(rows, w13[e])), w2[e])
+
+    return grouped_moe(x, topk_weights, topk_ids, w13.shape[0], expert)

@@ -60,7 +60,12 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
 
     Raises WeightsNotFoundError when the folder has no weights of the requested load format and
     ValueError when the checkpoint does not fit the architecture or the quantization.
+    `--model-impl transformers` builds transformers' own model instead (transformers_loading.py).
     """
+    if config.model.model_impl == "transformers":
+        from aserve.model.models.transformers_loading import load_transformers_model
+
+        return load_transformers_model(config, backend, device)
     arch = config.model.arch
     dtype = torch_dtype(config.model.dtype)
     model_cls = get_model_class(arch.architecture)

@@ -47,6 +47,8 @@ _ENGINE_HELP = {
     "guided_decoding_backend": "grammar engine for structured outputs: auto, xgrammar or guidance "
     "(a request's guided_decoding_backend overrides it)",
     "structured_outputs_config": 'vLLM\'s newer spelling, a JSON object, e.g. \'{"backend": "xgrammar"}\'',
+    "model_impl": "auto: aserve's native class when there is one, else the Transformers backend; aserve: native "
+                  "only; transformers: always transformers' modeling code with aserve's paged attention",
 }
 _SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "compilation_config": "-O"}
 

@@ -49,7 +49,7 @@ def test_chunked_prefill_off_needs_a_budget_for_the_models_context(model_dir):
 
 @pytest.mark.parametrize("overrides, kwargs, flag", [
     ({}, dict(max_model_len=513), "--max-model-len"),
-    ({"architectures": ["FalconForCausalLM"]}, {}, "--model"),
+    ({"architectures": ["FalconForCausalLM"]}, dict(model_impl="aserve"), "--model"),  # auto: Transformers backend
     ({}, dict(device="cuda"), "--device"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 64,
       "layer_types": ["sliding_attention"]}, {}, "--model"),

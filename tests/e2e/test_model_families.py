@@ -35,6 +35,11 @@ FAMILIES = {
     "gpt2": ("gpt2", {}),
     "opt": ("opt", {}),
     "opt-post-ln-projected": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
+    # Mixture of experts (4-8 experts, top 2): Mixtral with Mistral's window; Qwen2-MoE with its shared
+    # expert and a dense middle layer; Qwen3-MoE with q/k norm and renormalized top-k.
+    "mixtral-window": ("mixtral", {"sliding_window": 20}),
+    "qwen2-moe-shared-dense-mix": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "qwen3-moe": ("qwen3_moe", {}),
 }
 RUNS = ["defaults", "chunked_tiny_budget", "prefix_caching", "preemption", "mp"]
 

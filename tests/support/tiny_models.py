@@ -25,9 +25,19 @@ _KEY_RENAMES = {
 }
 
 
+# Tiny sizes for keys only some families have (MoE: the class defaults hold 60-128 experts).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 80},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True},
+}
+
+
 def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb: bool = True,
                  **overrides: Any) -> Any:
-    """Saves a tiny `family` ("llama" | "qwen2" | "mistral" | "qwen3") model to `path` and returns the HF model
+    """Saves a tiny `family` ("llama" | "qwen2" | "mistral" | "qwen3" | ... | "mixtral" | "qwen2_moe" |
+    "qwen3_moe") model to `path` and returns the HF model
     (eval, fp32). `overrides` update `COMMON`. With `perturb`, biases (zero-initialised by HF) and
     norm weights get random values so that they matter in logit comparisons."""
     import torch
@@ -47,8 +57,11 @@ def save_tiny_hf(path: str | Path, family: str = "llama", seed: int = 0, perturb
         "gpt2": (lambda **kw: transformers.GPT2Config(**{"bos_token_id": None, "eos_token_id": None, **kw}),
                  transformers.GPT2LMHeadModel),
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[family]
-    keys = {**COMMON, **overrides}
+    keys = {**COMMON, **_FAMILY_DEFAULTS.get(family, {}), **overrides}
     renames = _KEY_RENAMES.get(family, {})
     keys = {renames.get(k, k): v for k, v in keys.items() if renames.get(k, k) is not None}
     config = config_cls(**keys)

@@ -1,5 +1,5 @@
 """The family-neutral half of every causal LM: KV-cache binding, the forward entry, logits, and
-weight loading with packed-module mappings and a completeness check.
+weight loading with packed-module and expert mappings and a completeness check.
 
 A family file subclasses `CausalLM`, builds `self.model` (`forward(input_ids, positions, meta) ->
 hidden`) and `self.lm_head` in `__init__`, and declares its mappings as class attributes; it never
@@ -26,6 +26,9 @@ class CausalLM(nn.Module):
 
     # Checkpoint projection name -> (fused module name, shard index): `q_proj` -> ("qkv_proj", 0).
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
+    # Per-expert checkpoint projection -> (stacked parameter, shard index or None): `<prefix>.experts.<e>.w1.weight`
+    # -> expert e's shard 0 of `<prefix>.experts.gate_up_proj`, through the module's `load_expert_shard`.
+    expert_params_mapping: ClassVar[dict[str, tuple[str, int | None]]] = {}
     # Projections whose output only feeds a norm (through the residual add) or the gated activation,
     # which take float32 rows on CPU: the loader may let these return unrounded float32
     # (aserve/model/quantization/cpu_kernel.py).
@@ -83,7 +86,8 @@ class CausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face-named tensors, fusing the packed projections into their merged layers.
+        """Load Hugging Face-named tensors, fusing the packed projections into their merged layers and
+        stacking per-expert tensors into their MoE layers (`expert_params_mapping`).
 
         Returns the names of the parameters loaded. Raises ValueError on an unknown name or a shape
         mismatch, and on parameters the checkpoint did not provide (a tied LM head needs none).
@@ -100,6 +104,9 @@ class CausalLM(nn.Module):
                 continue  # some tied checkpoints still store a copy of the embedding
             target, shard_id = name, None
             parts = name.split(".")
+            if len(parts) >= 4 and parts[-3].isdigit() and parts[-2] in self.expert_params_mapping:
+                loaded.add(self._load_expert_tensor(original, parts, tensor, params, modules))
+                continue
             if len(parts) >= 2 and parts[-2] in self.packed_modules_mapping:
                 fused, shard_id = self.packed_modules_mapping[parts[-2]]
                 target = ".".join([*parts[:-2], fused, parts[-1]])
@@ -116,6 +123,32 @@ class CausalLM(nn.Module):
         self._check_complete(loaded, params, modules, tied)
         return loaded
 
+    def _load_expert_tensor(self, original: str, parts: list[str], tensor: torch.Tensor,
+                            params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> str:
+        """Load `<prefix>.<expert>.<projection>.<suffix>` into expert `expert`'s slice of the stacked
+        parameter `expert_params_mapping` names; returns its key in the loaded set."""
+        stacked, shard_id = self.expert_params_mapping[parts[-2]]
+        module_name, expert_id = ".".join(parts[:-3]), int(parts[-3])
+        target = f"{module_name}.{stacked}"
+        param, module = params.get(target), modules.get(module_name)
+        if param is None or parts[-1] != "weight" or not hasattr(module, "load_expert_shard"):
+            raise ValueError(f"checkpoint tensor {original!r} does not match any expert parameter of "
+                             f"{self.arch.architecture} (is the config right for these weights?)")
+        try:
+            module.load_expert_shard(param, tensor, expert_id, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {original!r}: {e}") from None
+        return _expert_key(target, expert_id, shard_id)
+
+    def _missing_expert_tensors(self, name: str, module: nn.Module, loaded: set[str]) -> list[str]:
+        """The per-expert tensors (in this model's names) of stacked parameter `name` not loaded."""
+        module_name, stacked = name.rsplit(".", 1)
+        projections = {v: k for k, v in self.expert_params_mapping.items()}
+        num_shards = module.shards_of(stacked)
+        shards = [None] if num_shards == 1 else list(range(num_shards))
+        return [f"{module_name}.{e}.{projections.get((stacked, s), stacked)}.weight"
+                for e in range(module.num_experts) for s in shards if _expert_key(name, e, s) not in loaded]
+
     def _check_complete(self, loaded: set[str], params: dict[str, nn.Parameter],
                         modules: dict[str, nn.Module], tied: bool) -> None:
         missing = []
@@ -125,9 +158,14 @@ class CausalLM(nn.Module):
             module = modules[name.rsplit(".", 1)[0]]
             if isinstance(module, MergedLinear) and name not in loaded:
                 missing += [f"{name}#{i}" for i in range(len(module.output_sizes)) if f"{name}#{i}" not in loaded]
+            elif hasattr(module, "load_expert_shard") and name not in loaded:  # stacked experts
+                missing += self._missing_expert_tensors(name, module, loaded)
             elif name not in loaded:
                 missing.append(name)
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
 
+
+def _expert_key(stacked: str, expert_id: int, shard_id: int | None) -> str:
+    return f"{stacked}#expert{expert_id}" + ("" if shard_id is None else f"#{shard_id}")

@@ -10,6 +10,7 @@ member may tie the LM head to the embedding, and each layer has its own attentio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -58,18 +59,21 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(cos_sin, q, k)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, meta)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype):
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, intermediate_size: int | None = None):
+        """`intermediate_size`: the MLP's width (default `arch.intermediate_size`; an MoE shared expert's own)."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(arch.hidden_size, [arch.intermediate_size] * 2, dtype=dtype)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, dtype=dtype)
+        width = intermediate_size or arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, [width] * 2, dtype=dtype)
+        self.down_proj = Linear(width, arch.hidden_size, dtype=dtype)
         self.act_fn = get_act_and_mul(arch.hidden_act, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,12 +82,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, options: LlamaAttentionOptions, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype):
+                 backend: AttentionBackend, dtype: torch.dtype, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (`x [T, H] -> [T, H]`; default `LlamaMLP`, an MoE block in MoE families)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
         self.self_attn = LlamaAttention(arch, layer_idx, options, rotary, backend, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(arch, dtype)
 
     def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,16 +104,19 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, options: LlamaAttentionOptions, backend: AttentionBackend,
-                 dtype: torch.dtype, rotary_dim: int | None = None):
+                 dtype: torch.dtype, rotary_dim: int | None = None,
+                 mlp_factory: Callable[[int], nn.Module | None] | None = None):
         """`rotary_dim`: how many leading dims of each head the rotary turns (default: all; Phi-3's
-        `partial_rotary_factor` turns fewer)."""
+        `partial_rotary_factor` turns fewer). `mlp_factory(layer_idx)`: that layer's feed-forward block
+        (None: `LlamaMLP`)."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         # One cos/sin table shared by every layer.
         self.rotary = RotaryEmbedding(arch.head_dim, rotary_dim or arch.head_dim, arch.max_position_embeddings,
                                       arch.rope_theta, arch.rope_scaling, is_neox=True, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, options, self.rotary, backend, dtype) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, i, options, self.rotary, backend, dtype, mlp_factory(i) if mlp_factory else None)
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
 

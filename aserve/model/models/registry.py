@@ -8,6 +8,7 @@ from aserve.config import SUPPORTED_ARCHITECTURES
 from aserve.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from aserve.model.models.gpt2 import GPT2LMHeadModel
 from aserve.model.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from aserve.model.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from aserve.model.models.opt import OPTForCausalLM
 from aserve.model.models.phi3 import Phi3ForCausalLM
 
@@ -17,10 +18,13 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 if set(MODEL_CLASSES) != SUPPORTED_ARCHITECTURES:  # the torch-free name list must match the classes
     raise RuntimeError(f"model registry {sorted(MODEL_CLASSES)} != aserve.config.SUPPORTED_ARCHITECTURES "

@@ -16,6 +16,7 @@ from torch import nn
 
 from aserve.kernels import cpu_ops
 from aserve.model.layers.linear import Linear
+from aserve.model.layers.moe import FusedMoE
 from aserve.model.quantization.base import LinearMethodBase
 from aserve.model.quantization.cpu_kernel import CpuKernelLinearMethod
 from aserve.model.quantization.cpu_packed import CpuPackedLinearMethod, cpu_packing_supported
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 def linear_layers(model: nn.Module) -> list[tuple[str, Linear]]:
     """Every `Linear` (fused ones included) of `model`, with its module name."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def expert_layers(model: nn.Module) -> list[tuple[str, FusedMoE]]:
+    """Every MoE experts layer of `model` (its experts' projections take Linear methods too)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, FusedMoE)]
 
 
 def checkpoint_prefixes(model: nn.Module, name: str) -> list[str]:
@@ -51,6 +57,15 @@ def set_load_time_method(model: nn.Module, method: LinearMethodBase) -> int:
             continue
         layer.set_quant_method(method)
         count += 1
+    experts = expert_layers(model)
+    taken = [moe for _, moe in experts if not isinstance(method, Int4WeightOnlyMethod) or (
+        int4_packable(2 * moe.intermediate_size, moe.hidden_size, method.group_size)
+        and int4_packable(moe.hidden_size, moe.intermediate_size, method.group_size))]
+    for moe in taken:
+        moe.set_quant_method(method)
+    if experts:
+        logger.info("%s: %d of %d MoE expert layers quantized at load (every expert's projections)",
+                    method.name, len(taken), len(experts))
     return count
 
 
@@ -65,6 +80,9 @@ def set_gguf_methods(model: nn.Module, gguf: GGUFLinearWeights) -> set[str]:
                 layer.output_size, layer.input_size, GGUF_GROUP_SIZE):
             layer.set_quant_method(method)
             native.update(prefixes)
+    if expert_layers(model):
+        logger.warning("--quantization gguf: MoE experts are served from the dequantized float copy "
+                       "(the GGUF int4 method covers Linear layers only)")
     return native
 
 
@@ -110,6 +128,10 @@ def use_cpu_linear_forms(model: nn.Module) -> int:
         if type(layer.quant_method) is UnquantizedLinearMethod:
             layer.quant_method = method
             count += 1
+    for _, moe in expert_layers(model):  # their output feeds only the residual add and RMSNorm
+        moe.float_output = kernels is not None
+        if type(moe.quant_method) is UnquantizedLinearMethod:
+            moe.quant_method = method
     if head is not None:
         if kernels is not None:
             head.use_cpu_kernel(kernels)
@@ -119,9 +141,14 @@ def use_cpu_linear_forms(model: nn.Module) -> int:
 
 
 def process_weights_after_loading(model: nn.Module) -> dict[str, int]:
-    """Run every Linear's `process_weights_after_loading`; returns the number of layers per method."""
+    """Run every Linear's and MoE experts layer's `process_weights_after_loading`; returns the number of
+    layers per method (experts layers as `<method> (experts)`)."""
     counts: dict[str, int] = {}
     for _, layer in linear_layers(model):
         layer.process_weights_after_loading()
         counts[layer.quant_method.name] = counts.get(layer.quant_method.name, 0) + 1
+    for _, moe in expert_layers(model):
+        moe.process_weights_after_loading()
+        key = f"{moe.quant_method.name} (experts)"
+        counts[key] = counts.get(key, 0) + 1
     return counts
