@@ -32,6 +32,10 @@ FAMILIES = {
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "head_dim": 64, "query_pre_attn_scalar": 64,
                "sliding_window": 1024, "hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75},
+    # No GQA in these two: their KV heads are all 9 heads (a little more attention work per step).
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "n_inner": 1536, "activation_function": "gelu_new"},
+    "opt": {"architectures": ["OPTForCausalLM"], "ffn_dim": 1536, "word_embed_proj_dim": 576,
+            "do_layer_norm_before": True, "activation_function": "relu"},
 }
 
 
