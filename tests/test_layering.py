@@ -25,6 +25,11 @@ FORBIDDEN = {
     "model": ["aserve.core", "aserve.engine", "aserve.server", "aserve.runner", "aserve.executor"],
     "runner": ["aserve.core.scheduler", "aserve.core.kv_cache_manager", "aserve.engine", "aserve.server"],
     "executor": ["aserve.server", "aserve.engine"],
+    "distributed": ["aserve.core", "aserve.engine", "aserve.server", "aserve.runner", "aserve.executor",
+                    "aserve.model", "aserve.kernels"],
+    # what the executor (in the engine's process) imports from it: no torch
+    "distributed/rendezvous.py": ["torch", "aserve.config", "aserve.core", "aserve.model", "aserve.runner"],
+    "distributed/__init__.py": ["torch"],
     "engine": ["torch", "starlette", "aserve.server", "aserve.model.", "aserve.runner"],
     "server": ["torch", "triton", "aserve.core", "aserve.model.", "aserve.runner", "aserve.kernels", "aserve.executor"],
 }

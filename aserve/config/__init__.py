@@ -15,7 +15,7 @@ from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, RE
 from aserve.config.engine_args import LOAD_FORMATS, EngineArgs
 from aserve.config.errors import ConfigError
 from aserve.config.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig
-from aserve.config.resolve import BUNDLED_MODEL_NAME
+from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, BUNDLED_MODEL_NAME
 from aserve.config.schema import (
     GiB,
     AserveConfig,
@@ -31,7 +31,7 @@ from aserve.config.schema import (
 )
 
 __all__ = [
-    "BUNDLED_MODEL_NAME", "DTYPE_CHOICES", "KV_CACHE_DTYPE_CHOICES", "LOAD_FORMATS", "RESOLVED_DTYPES",
+    "BUNDLED_MODEL_HUB_ID", "BUNDLED_MODEL_NAME", "DTYPE_CHOICES", "KV_CACHE_DTYPE_CHOICES", "LOAD_FORMATS", "RESOLVED_DTYPES",
     "SUPPORTED_ARCHITECTURES", "AserveConfig", "ArchConfig", "CacheConfig", "ConfigError", "DeviceConfig",
     "EngineArgs", "GiB", "KVCacheInfo", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
     "SchedulerConfig", "StructuredOutputsConfig", "cpu_has_native_bf16", "resolve_dtype",

@@ -21,10 +21,17 @@ from typing import Any
 
 from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from aserve.config.compilation import parse_compilation_config
-from aserve.config.errors import ConfigError, require
+from aserve.config.errors import ConfigError, flag_name, require
+from aserve.config.guided_decoding import (
+    GUIDED_DECODING_BACKENDS,
+    GUIDED_OPTION_FIELDS,
+    UNSHIPPED_GUIDED_BACKENDS,
+    split_backend_options,
+)
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
-from aserve.config.resolve import resolve_config
-from aserve.config.schema import AserveConfig
+from aserve.config.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, REFUSED_METHODS, normalize_method
+from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
+from aserve.config.schema import AserveConfig, StructuredOutputsConfig
 
 LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -35,11 +42,9 @@ _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
 _TOKENIZER_MODES = ("auto", "slow")
 _GENERATION_CONFIG = ("auto", "vllm")
-# --guided-decoding-backend: what aserve serves, and vLLM backends it refuses by name.
-GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
-_UNSHIPPED_GUIDED_BACKENDS = ("outlines", "lm-format-enforcer")
-# `gguf` is vLLM's name; `int4` / `int8` (weight-only, quantized at load) are aserve extensions.
-QUANTIZATION_METHODS = ("gguf", "int4", "int8")
+# `gguf` is vLLM's name; `int4` / `int8` (weight-only, quantized at load) are aserve extensions; gptq / awq /
+# compressed-tensors read a quantized checkpoint (aserve/config/quantization.py, which also holds the aliases).
+QUANTIZATION_METHODS = ("gguf", "int4", "int8", *CHECKPOINT_METHODS, *METHOD_ALIASES)
 # EngineArgs fields limited to a set of values: (field, allowed, how errors name them; None = the tuple).
 _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("dtype", DTYPE_CHOICES, None),
@@ -101,6 +106,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # accepted for vLLM's flag; only 1 is implemented (refused otherwise)
     disable_async_output_proc: bool = False
     attention_backend: str | None = None
     quantization: str | None = None
@@ -131,7 +137,7 @@ class EngineArgs:
         self._validate_numbers()
         self._validate_combinations()
         self._reject_unimplemented()
-        self.resolved_guided_decoding_backend()
+        self.resolved_structured_outputs()
         parse_compilation_config(self.compilation_config)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
@@ -178,6 +184,25 @@ class EngineArgs:
                 f"must be > 0 GiB, got {self.cpu_kvcache_space}")
         require(self.rope_theta is None or self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
 
+    def _reject_unimplemented_parallelism(self) -> None:
+        """Tensor parallelism runs over `mp` (one worker process per rank); the rest of scale-out is
+        refused by name (issue 19's later steps)."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
+                "pipeline parallelism is not implemented yet (only 1); use --tensor-parallel-size to split a "
+                "model across devices of one machine")
+        require(self.data_parallel_size == 1, "data_parallel_size",
+                "data-parallel replicas are not implemented yet (only 1); run one server per replica behind a "
+                "load balancer")
+        if self.tensor_parallel_size > 1:
+            require(self.distributed_executor_backend in (None, "mp"), "distributed_executor_backend",
+                    f"--tensor-parallel-size {self.tensor_parallel_size} runs one worker process per rank: "
+                    "it needs 'mp' (the default), not 'uni'")
+            require(self.quantization != "gguf", "quantization",
+                    "'gguf' serves the file's 4-bit blocks whole; it cannot be split across tensor-parallel "
+                    "ranks (use --tensor-parallel-size 1, or int8/int4, which quantize each rank's slice)")
+
     def _validate_combinations(self) -> None:
         """Combinations of values the user gave; those involving the model's context length are
         checked again in resolve_config once the model's default is known."""
@@ -197,13 +222,15 @@ class EngineArgs:
 
     def _reject_unimplemented(self) -> None:
         """Accepted-but-unimplemented arguments fail loudly here instead of being ignored."""
-        require(self.tensor_parallel_size == 1, "tensor_parallel_size", "only 1 is implemented")
-        require(self.pipeline_parallel_size == 1, "pipeline_parallel_size", "only 1 is implemented")
+        self._reject_unimplemented_parallelism()
+        require(normalize_method(self.quantization) not in REFUSED_METHODS, "quantization",
+                f"{self.quantization!r}: {REFUSED_METHODS.get(normalize_method(self.quantization) or '')}")
         require(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
                 f"{self.quantization!r} is not implemented; implemented: {QUANTIZATION_METHODS} (CPU only)")
         if self.quantization == "gguf":
             source = os.path.expanduser(self.model)
-            require(self.model == "" or source.endswith(".gguf") or os.path.isdir(source), "quantization",
+            require(self.model in ("", BUNDLED_MODEL_HUB_ID) or source.endswith(".gguf") or os.path.isdir(source),
+                    "quantization",
                     f"'gguf' needs a .gguf model (a file, a folder holding one, or no --model for the bundled one); "
                     f"got --model {self.model!r}")
             require(self.load_format in ("auto", "gguf"), "quantization",
@@ -215,25 +242,52 @@ class EngineArgs:
 
 
     def resolved_guided_decoding_backend(self) -> str:
-        """The bare backend name from --structured-outputs-config or --guided-decoding-backend
-        ("auto" | "xgrammar" | "guidance"); ConfigError for outlines / lm-format-enforcer (not
-        shipped), unknown names, or guidance without llguidance installed. A vLLM option suffix
-        (`xgrammar:no-fallback`) is accepted and dropped."""
+        """The bare backend name ("auto" | "xgrammar" | "guidance"); see `resolved_structured_outputs`."""
+        return self.resolved_structured_outputs().backend
+
+    def resolved_structured_outputs(self) -> StructuredOutputsConfig:
+        """--guided-decoding-backend (vLLM's `backend:option,...` form) and --structured-outputs-config
+        (its `backend` wins; its option keys and the suffix options add up) as one config. ConfigError
+        naming the flag for: an unknown key or option, a non-boolean option, a key set false that a
+        suffix sets, outlines / lm-format-enforcer (not shipped), unknown backends, guidance without
+        llguidance. `reasoning_parser` is the server's (`--reasoning-parser`): checked there."""
         arg, value = "guided_decoding_backend", self.guided_decoding_backend
-        if self.structured_outputs_config is not None:
-            unknown = set(self.structured_outputs_config) - {"backend", "disable_fallback", "disable_any_whitespace",
-                                                             "disable_additional_properties", "reasoning_parser"}
-            require(not unknown, "structured_outputs_config", f"unknown key(s) {sorted(unknown)}")
-            if "backend" in self.structured_outputs_config:
-                arg, value = "structured_outputs_config", self.structured_outputs_config["backend"]
-        bare = str(value).strip().lower().split(":", 1)[0]
-        require(bare not in _UNSHIPPED_GUIDED_BACKENDS, arg,
+        try:
+            bare, options = split_backend_options(value)
+        except ValueError as e:
+            raise ConfigError(f"{flag_name(arg)}: {e}") from None
+        keys = self.structured_outputs_config
+        if keys is not None:
+            known = {"backend", "reasoning_parser", *GUIDED_OPTION_FIELDS}
+            unknown = set(keys) - known
+            require(not unknown, "structured_outputs_config",
+                    f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+            if "backend" in keys:
+                arg, value = "structured_outputs_config", keys["backend"]
+                require(isinstance(value, str), arg, f"backend must be a string, got {value!r}")
+                try:
+                    bare, more = split_backend_options(value)
+                except ValueError as e:
+                    raise ConfigError(f"{flag_name(arg)}: {e}") from None
+                options.update(more)
+            for name in GUIDED_OPTION_FIELDS:
+                if name in keys:
+                    require(isinstance(keys[name], bool), "structured_outputs_config",
+                            f"{name} must be true or false, got {keys[name]!r}")
+                    require(keys[name] or not options.get(name), "structured_outputs_config",
+                            f"{name}=false contradicts the backend option that sets it "
+                            f"(--guided-decoding-backend {self.guided_decoding_backend!r})")
+                    options[name] = options.get(name, False) or keys[name]
+            parser = keys.get("reasoning_parser")
+            require(parser is None or isinstance(parser, str), "structured_outputs_config",
+                    f"reasoning_parser must be a string, got {parser!r}")
+        require(bare not in UNSHIPPED_GUIDED_BACKENDS, arg,
                 f"the {bare!r} backend is not supported by aserve; use 'auto', 'xgrammar' or 'guidance'")
         require(bare in GUIDED_DECODING_BACKENDS, arg,
                 f"must be one of {GUIDED_DECODING_BACKENDS}, got {value!r}")
         require(bare != "guidance" or importlib.util.find_spec("llguidance") is not None, arg,
                 "'guidance' needs the llguidance package (pip install llguidance)")
-        return bare
+        return StructuredOutputsConfig(backend=bare, **options)
 
 
 def _has_type(value: Any, tp: Any) -> bool:

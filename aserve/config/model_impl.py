@@ -141,6 +141,9 @@ def check_transformers_args(args: EngineArgs) -> None:
     """Engine arguments the Transformers backend does not implement; ConfigError naming the flag."""
     require(args.quantization is None, "quantization", "not implemented with the Transformers backend "
             "(--model-impl transformers); it serves the checkpoint's float weights")
+    require(args.tensor_parallel_size == 1, "tensor_parallel_size", "not implemented with the Transformers "
+            "backend (--model-impl transformers): transformers' own layers cannot be split across ranks; use an "
+            "architecture aserve implements natively")
     require(not args.disable_sliding_window, "disable_sliding_window",
             "not implemented with the Transformers backend: each layer uses the window transformers passes")
     level = parse_compilation_config(args.compilation_config).get("level", 0)

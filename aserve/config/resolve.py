@@ -14,6 +14,8 @@ from aserve.config.dtype_policy import resolve_dtype
 from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
 from aserve.config.families import normalize_keys
+from aserve.config.parallel import check_tensor_parallel
+from aserve.config.quantization import resolve_quantization
 from aserve.config.model_impl import (
     check_transformers_args,
     choose_model_impl,
@@ -36,13 +38,14 @@ from aserve.config.schema import (
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
-    StructuredOutputsConfig,
 )
 
 if TYPE_CHECKING:
     from aserve.config.engine_args import EngineArgs
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"  # what `model=""` serves (aserve/model_source.py finds its file)
+# Its Hub id: `--model` with it resolves to the bundled copy (no network); both names are served.
+BUNDLED_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # vLLM derives the step budget from the context; on CPUs a step of 2048 prompt tokens takes seconds
 # and stalls every running stream, so the budget is smaller there.
 _DEFAULT_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
@@ -67,13 +70,15 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         arch = transformers_arch_config(hf_cfg)
     else:
         arch = ArchConfig.from_hf_dict(hf_cfg, disable_sliding_window=args.disable_sliding_window)
+        check_tensor_parallel(arch, args.tensor_parallel_size)
 
     device = args.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
-    require(args.quantization is None or device == "cpu", "quantization",
-            f"{args.quantization!r} is implemented for CPU only; pass --device cpu")
+    quantization, quant_spec = resolve_quantization(args.quantization, hf_cfg, str(path), args.tensor_parallel_size)
+    require(quantization is None or device == "cpu", "quantization",
+            f"{quantization!r} is implemented for CPU only (no CUDA kernel yet); pass --device cpu")
 
     max_model_len = _max_model_len(args, hf_cfg, arch)
     chunked = True if args.enable_chunked_prefill is None else args.enable_chunked_prefill
@@ -111,6 +116,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     if model_impl == "transformers":
         compilation = eager_for_transformers(compilation, device)
+    require(args.tensor_parallel_size == 1 or not compilation.compile_sizes, "compilation_config",
+            "the CPU compiled decode (-O3) is not implemented with --tensor-parallel-size > 1; drop -O3")
     return AserveConfig(
         model=model_cfg,
         cache=CacheConfig(
@@ -130,9 +137,12 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             preemption_mode=args.preemption_mode or "recompute",
             policy=args.scheduling_policy,
         ),
-        load=LoadConfig(load_format=args.load_format, quantization=args.quantization),
+        load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec),
         device=DeviceConfig(device=device),
-        parallel=ParallelConfig(distributed_executor_backend=args.distributed_executor_backend or "uni"),
+        parallel=ParallelConfig(
+            distributed_executor_backend=args.distributed_executor_backend or (
+                "mp" if args.tensor_parallel_size > 1 else "uni"),
+            tensor_parallel_size=args.tensor_parallel_size),
         runner=RunnerConfig(
             enforce_eager=compilation.level == 0 or device != "cuda",
             compile_sizes=compilation.compile_sizes,
@@ -141,7 +151,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
             disable_async_output_proc=args.disable_async_output_proc,
         ),
-        structured_outputs=StructuredOutputsConfig(backend=args.resolved_guided_decoding_backend()),
+        structured_outputs=args.resolved_structured_outputs(),
     )
 
 
@@ -164,7 +174,11 @@ def _max_model_len(args: EngineArgs, hf_cfg: dict, arch: ArchConfig) -> int:
 
 def _served_model_names(args: EngineArgs) -> tuple[str, ...]:
     if args.served_model_name is None:
-        return (args.model or BUNDLED_MODEL_NAME,)
+        if args.model == "":  # the bundled model answers to both of its names, the one given first
+            return (BUNDLED_MODEL_NAME, BUNDLED_MODEL_HUB_ID)
+        if args.model == BUNDLED_MODEL_HUB_ID:
+            return (BUNDLED_MODEL_HUB_ID, BUNDLED_MODEL_NAME)
+        return (args.model,)
     if isinstance(args.served_model_name, str):
         return (args.served_model_name,)
     return tuple(args.served_model_name)

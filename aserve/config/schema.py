@@ -1,7 +1,7 @@
 """The resolved configuration: one frozen dataclass per concern, bundled in `AserveConfig`.
 
 Built only by `EngineArgs.create_config()` (aserve/config/resolve.py), which has already validated
-every value, so consumers trust these fields. Every field has a reader except the parallel sizes
+every value, so consumers trust these fields. Every field has a reader except `pipeline_parallel_size`
 (kept for the scale-out work); vLLM arguments that are accepted but not implemented are refused
 during validation and never reach these structs. What the
 runner learns at start-up (the KV block count) lives in `KVCacheInfo`, never written back here.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config.hf_config import ArchConfig
+from aserve.config.quantization import QuantSpec
 
 GiB = 1 << 30
 
@@ -67,7 +68,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class LoadConfig:
     load_format: str = "auto"
-    quantization: str | None = None  # None | "gguf" | "int4" | "int8" (see aserve/model/quantization)
+    quantization: str | None = None  # None | "gguf" | "int4" | "int8" | "gptq" | "awq" | "compressed-tensors"
+    quant_spec: QuantSpec | None = None  # the checkpoint format's parameters (aserve/config/quantization.py)
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,9 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Where the runner lives. The parallel sizes are always 1 today (validation refuses more);
-    they stay as fields for the scale-out work."""
+    """Where the runner lives: `uni` (a thread of this process) or `mp` (worker processes). With
+    `tensor_parallel_size` N > 1, `mp` runs one worker per rank (the default then; `uni` is refused).
+    Pipeline parallelism is refused at validation, so `pipeline_parallel_size` is always 1 today."""
 
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1

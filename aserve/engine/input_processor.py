@@ -48,7 +48,7 @@ class InputProcessor:
         self.vocab_size = config.model.arch.vocab_size
         self.max_logprobs = config.model.max_logprobs
         self.in_process = config.parallel.distributed_executor_backend == "uni"
-        self.spec_checker = SpecChecker(config.structured_outputs.backend)
+        self.spec_checker = SpecChecker(config.structured_outputs)
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

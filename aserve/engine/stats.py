@@ -3,10 +3,17 @@
 The engine calls every registered `StatLogger.record(scheduler, iteration)` once per step, from the
 event loop (or the offline LLM's thread). Loggers must be cheap; they never block. The scheduler's
 record (`SchedulerStats`, gauges plus per-step counter deltas) is defined once in `aserve.core.stats`.
+
+`StatLineLogger` is the periodic throughput/state log line, shared by the server (which logs it from a
+timer task, `aserve.server.metrics.LoggingStatLogger`) and the offline `LLM` (which logs it from
+`record`, once an interval has passed, via `IntervalStatLineLogger`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,3 +51,70 @@ class IterationStats:
 
 class StatLogger(Protocol):
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+
+
+class StatLineLogger:
+    """A StatLogger that sums per-step stats; `format_line()` gives one throughput/state line for the
+    interval since its previous call (vLLM's line), or None when the engine was idle."""
+
+    def __init__(self, interval: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] | None = None):
+        self.interval = interval
+        self._clock = clock
+        self._log = log or logging.getLogger("aserve.engine.stats").info
+        self._last_time = clock()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._latest = SchedulerStats()
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._changed = False
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self._prompt_tokens += iteration_stats.num_prompt_tokens
+        self._generation_tokens += iteration_stats.num_generation_tokens
+        self._prefix_queries += scheduler_stats.prefix_cache_queries
+        self._prefix_hits += scheduler_stats.prefix_cache_hits
+        self._latest = scheduler_stats
+        self._changed = True
+
+    def format_line(self) -> str | None:
+        """The line for the interval since the last call (None if the engine was idle); resets the sums."""
+        now = self._clock()
+        elapsed = max(now - self._last_time, 1e-9)
+        s = self._latest
+        busy = self._changed and (
+            self._prompt_tokens or self._generation_tokens or s.num_running_reqs or s.num_waiting_reqs
+        )
+        queries, hits = self._prefix_queries, self._prefix_hits
+        line = None
+        if busy:
+            hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
+            line = (
+                f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
+                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+                f"Swapped: {s.num_swapped_reqs} reqs, KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate:.1f}%"
+            )
+        self._last_time = now
+        self._prompt_tokens = self._generation_tokens = 0
+        self._prefix_queries = self._prefix_hits = 0
+        self._changed = bool(s.num_running_reqs or s.num_waiting_reqs)
+        return line
+
+    def log_line(self) -> None:
+        """Formats the interval's line and logs it (nothing when idle)."""
+        line = self.format_line()
+        if line is not None:
+            self._log(line)
+
+
+class IntervalStatLineLogger(StatLineLogger):
+    """The line logged from `record` itself once `interval` seconds have passed since the last one:
+    for a synchronous engine loop (the offline LLM) that has no timer task."""
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        super().record(scheduler_stats, iteration_stats)
+        if self._clock() - self._last_time >= self.interval:
+            self.log_line()

@@ -1,7 +1,15 @@
-"""`mp`: the runner lives in a worker process; steps travel as msgspec msgpack over a pipe.
+"""`mp`: the runner lives in worker processes; steps travel as msgspec msgpack over one pipe per worker.
 
-The worker's death (crash, OOM kill) surfaces as ExecutorDeadError on the next `execute`, which the
-engine turns into failed requests and a failing /health, never a hang.
+With `--tensor-parallel-size N` there are N workers, one per rank, which meet in `torch.distributed`
+at a localhost port chosen here (gloo on CPU, NCCL on CUDA). Every step's `SchedulerOutput` goes to
+every rank (they all run the same step and sample the same tokens from the gathered logits); rank 0's
+`RunnerOutput` is returned, the others answer with an empty acknowledgement.
+
+Any worker's death (crash, OOM kill) or error, at start-up or in a step, is fatal: ExecutorDeadError,
+which the engine turns into failed requests and a failing /health, never a hang. While waiting for a
+reply the executor also watches every worker's process sentinel, so a rank that dies while its peers
+block in a collective is noticed at once (the peers are then killed); a rank that never reaches the
+rendezvous makes the others fail after the rendezvous timeout (`ASERVE_DIST_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -11,11 +19,13 @@ import multiprocessing as mp
 import os
 import pickle
 import traceback
+from multiprocessing.connection import wait
 
 import msgspec
 
 from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
+from aserve.distributed.rendezvous import Rendezvous, local_rendezvous
 from aserve.executor.base import ExecutorDeadError
 
 logger = logging.getLogger(__name__)
@@ -29,14 +39,32 @@ _decode_info = msgspec.msgpack.Decoder(RunnerInfo)
 _EXECUTE, _SHUTDOWN, _OK, _ERROR = b"E", b"S", b"O", b"X"
 
 
-def _worker_main(conn, config_bytes: bytes) -> None:
+def _limit_threads(world_size: int) -> None:
+    """With several ranks on one CPU, each gets an equal share of the cores (at most what
+    OMP_NUM_THREADS asks for), so ranks do not oversubscribe them. Before torch is imported."""
+    if world_size == 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // world_size)
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    threads = min(share, int(asked)) if asked.isdigit() and int(asked) > 0 else share
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | None) -> None:
     config: AserveConfig = pickle.loads(config_bytes)
+    world_size = rendezvous.world_size if rendezvous is not None else 1
+    tag = f"worker {rank}" if world_size > 1 else "worker"
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO"),
-                        format="%(levelname)s %(asctime)s [worker] %(name)s: %(message)s")
+                        format=f"%(levelname)s %(asctime)s [{tag}] %(name)s: %(message)s")
     try:
+        if config.device.device == "cpu":
+            _limit_threads(world_size)
+        from aserve.distributed.context import SINGLE, init_distributed, shutdown_distributed
         from aserve.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(config)
+        parallel = init_distributed(rendezvous, rank) if rendezvous is not None else SINGLE
+        runner = ModelRunner(config, parallel=parallel)
         runner.load_model()
         info = runner.initialize_kv_cache()
         runner.capture_graphs()
@@ -51,10 +79,11 @@ def _worker_main(conn, config_bytes: bytes) -> None:
             return  # the engine went away
         tag, body = msg[:1], msg[1:]
         if tag == _SHUTDOWN:
+            shutdown_distributed()
             return
         try:
             out = runner.execute(_decode_so.decode(body))
-            conn.send_bytes(_OK + _encoder.encode(out))
+            conn.send_bytes(_OK + (_encoder.encode(out) if rank == 0 else b""))
         except BaseException:
             conn.send_bytes(_ERROR + traceback.format_exc().encode())
             return
@@ -65,59 +94,109 @@ class ProcessExecutor:
 
     def __init__(self, config: AserveConfig):
         self.config = config
-        self._conn = None
-        self._proc = None
+        self.world_size = config.parallel.tensor_parallel_size
+        self._conns: list = []
+        self._procs: list = []
         self._dead: str | None = None
 
     def start(self) -> RunnerInfo:
+        """Start one worker per rank and wait for all of them; rank 0's RunnerInfo (the ranks agreed on
+        the KV block count). Raises ExecutorDeadError (with the failing rank's traceback) if any rank
+        fails or dies while starting; the others are stopped."""
         ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_worker_main, args=(child, pickle.dumps(self.config)),
-                                 name="aserve-runner", daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        return _decode_info.decode(self._recv())
+        rendezvous = local_rendezvous(self.world_size, self.config.device.device) if self.world_size > 1 else None
+        config_bytes = pickle.dumps(self.config)
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            name = "aserve-runner" if self.world_size == 1 else f"aserve-runner-{rank}"
+            proc = ctx.Process(target=_worker_main, args=(child, config_bytes, rank, rendezvous), name=name,
+                               daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        if rendezvous is not None:
+            logger.info("Started %d tensor-parallel workers (%s at %s)", self.world_size, rendezvous.backend,
+                        rendezvous.init_method)
+        return _decode_info.decode(self._recv_all())
 
-    def _recv(self) -> bytes:
+    def _recv_all(self) -> bytes:
+        """One reply from every rank; rank 0's body. Watches every worker's sentinel meanwhile."""
+        pending = set(range(len(self._conns)))
+        replies: dict[int, bytes] = {}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        while pending:
+            ready = wait([self._conns[r] for r in pending] + list(sentinels))
+            for rank in sorted(pending):
+                conn = self._conns[rank]
+                if conn in ready or conn.poll():
+                    replies[rank] = self._recv_one(rank)
+                    pending.discard(rank)
+            for sentinel in ready:
+                rank = sentinels.get(sentinel)
+                if rank is not None and not self._conns[rank].poll():  # died without a last word
+                    self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})")
+        return replies[0]
+
+    def _recv_one(self, rank: int) -> bytes:
         try:
-            msg = self._conn.recv_bytes()
+            msg = self._conns[rank].recv_bytes()
         except (EOFError, OSError) as exc:
-            code = None
-            if self._proc is not None:
-                self._proc.join(timeout=2)
-                code = self._proc.exitcode
-            self._dead = f"model worker process died (exit code {code})"
-            raise ExecutorDeadError(self._dead) from exc
+            self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})", exc)
         if msg[:1] == _ERROR:
-            self._dead = "model worker failed:\n" + msg[1:].decode(errors="replace")
-            raise ExecutorDeadError(self._dead)
+            self._fail(f"{self._who(rank)} failed:\n" + msg[1:].decode(errors="replace"))
         return msg[1:]
+
+    def _who(self, rank: int) -> str:
+        return "model worker" if self.world_size == 1 else f"model worker (tensor-parallel rank {rank})"
+
+    def _exit_code(self, rank: int) -> int | None:
+        proc = self._procs[rank]
+        proc.join(timeout=2)
+        return proc.exitcode
+
+    def _fail(self, message: str, cause: BaseException | None = None):
+        """Dead for good: record why, stop every other worker (they may be blocked in a collective
+        waiting for the one that failed), raise ExecutorDeadError."""
+        self._dead = message
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        raise ExecutorDeadError(message) from cause
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
-        try:
-            self._conn.send_bytes(_EXECUTE + _encoder.encode(scheduler_output))
-        except (BrokenPipeError, OSError) as exc:
-            self._dead = "model worker process is gone"
-            raise ExecutorDeadError(self._dead) from exc
-        return _decode_ro.decode(self._recv())
+        body = _EXECUTE + _encoder.encode(scheduler_output)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(body)
+            except (BrokenPipeError, OSError) as exc:
+                self._fail(f"{self._who(rank)} process is gone", exc)
+        return _decode_ro.decode(self._recv_all())
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        """Rank 0's worker process id (None before start / after shutdown)."""
+        return self._procs[0].pid if self._procs else None
+
+    @property
+    def pids(self) -> list[int]:
+        """Every rank's worker process id, in rank order."""
+        return [proc.pid for proc in self._procs]
 
     def shutdown(self) -> None:
-        if self._conn is not None:
+        for conn in self._conns:
             try:
-                self._conn.send_bytes(_SHUTDOWN)
+                conn.send_bytes(_SHUTDOWN)
             except OSError:
                 pass
-            self._conn.close()
-            self._conn = None
-        if self._proc is not None:
-            self._proc.join(timeout=10)
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc = None
+            conn.close()
+        self._conns = []
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []

@@ -19,11 +19,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aserve.config import AserveConfig
+from aserve.config.parallel import kv_head_replicas, rank_arch_config
+from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.model.attention.base import AttentionBackend
 from aserve.model.layers.norm import NORM_LAYERS
 from aserve.model.models.registry import get_model_class
 from aserve.model.quantization import assign, load_time_method
 from aserve.model.quantization.gguf_reader import GGUFLinearWeights
+from aserve.model.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -55,27 +58,36 @@ def kv_cache_dtype_for(config: AserveConfig) -> torch.dtype:
         raise ValueError(f"--kv-cache-dtype: unsupported value {kind!r}") from None
 
 
-def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.device | str) -> nn.Module:
-    """Construct the architecture's model on `device` in `config.model.dtype` and load its weights.
+def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.device | str,
+               parallel: ParallelContext = SINGLE) -> nn.Module:
+    """Construct the architecture's model on `device` in `config.model.dtype` and load its weights;
+    under tensor parallelism (`parallel`), this rank's slice of it (built from the rank's `ArchConfig`,
+    sharded as the model's declared plan says: aserve/model/tensor_parallel.py).
 
     Raises WeightsNotFoundError when the folder has no weights of the requested load format and
     ValueError when the checkpoint does not fit the architecture or the quantization.
     `--model-impl transformers` builds transformers' own model instead (transformers_loading.py).
     """
     if config.model.model_impl == "transformers":
+        if parallel.is_parallel:  # refused at start-up (check_transformers_args); inner layers trust that
+            raise ValueError("the Transformers backend cannot be split across tensor-parallel ranks")
         from aserve.model.models.transformers_loading import load_transformers_model
 
         return load_transformers_model(config, backend, device)
-    arch = config.model.arch
+    arch = rank_arch_config(config.model.arch, parallel.tp_size)
     dtype = torch_dtype(config.model.dtype)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, backend, dtype, device)
+    apply_tensor_parallel(model, parallel, kv_head_replicas(config.model.arch.num_key_value_heads, parallel.tp_size))
     load_format = config.load.load_format
     quantization = config.load.quantization
     if quantization is not None and torch.device(device).type != "cpu":
         raise ValueError(f"--quantization {quantization}: implemented for CPU only (use --device cpu)")
     if quantization == "gguf":
         model.load_weights(_gguf_weights(model, config.model.model_path))
+    elif config.load.quant_spec is not None:  # a GPTQ / AWQ / compressed-tensors checkpoint
+        model.load_weights(_checkpoint_quantized_weights(model, config.load.quant_spec, config.model.model_path,
+                                                         load_format))
     else:
         if quantization is not None:
             num = assign.set_load_time_method(model, load_time_method(quantization))
@@ -112,6 +124,25 @@ def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torc
         assign.check_gguf_decoding(gguf, first, _read_tensor(files, f"{first}.weight"))
     floats = iterate_weights(model_path, "safetensors", skip=lambda name: name.rsplit(".", 1)[0] in native)
     return assign.gguf_weights(floats, gguf, native)
+
+
+def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
+                                  load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Set the checkpoint method on the layers the checkpoint quantizes; the tensors to load, each
+    quantized module's in the method's form (aserve/model/quantization/checkpoint_formats.py)."""
+    from safetensors import safe_open
+
+    from aserve.model.quantization import checkpoint_formats
+
+    kind, files = weight_files(model_path, load_format)
+    if kind != "safetensors":
+        raise ValueError(f"--quantization {spec.method}: quantized checkpoints are read from safetensors only")
+    names = [n for path in files for n in safe_open(path, framework="pt", device="cpu").keys()]  # noqa: SIM118
+    targets = checkpoint_formats.assign_methods(model, spec, checkpoint_formats.quantized_prefixes(names, spec))
+    logger.info("--quantization %s: %d-bit, group size %d%s: %d of %d Linear layers quantized in the checkpoint",
+                spec.method, spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
+                len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)))
+    return checkpoint_formats.canonical_weights(iterate_weights(model_path, load_format), spec, targets)
 
 
 def _read_tensor(files: list[str], name: str) -> torch.Tensor:

@@ -23,7 +23,10 @@ import time
 import torch
 
 from aserve.config import AserveConfig, GiB
+from aserve.config.parallel import rank_arch_config
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
+from aserve.distributed.collectives import all_reduce_min
+from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
@@ -48,13 +51,19 @@ def make_attention_backend(name: str):
 
 
 class ModelRunner:
-    def __init__(self, config: AserveConfig, force_static_decode: bool = False):
-        """`force_static_decode` pads decode batches to capture sizes even without graphs (tests)."""
+    def __init__(self, config: AserveConfig, force_static_decode: bool = False, parallel: ParallelContext = SINGLE):
+        """`force_static_decode` pads decode batches to capture sizes even without graphs (tests).
+        `parallel`: this rank of a tensor-parallel group (every rank runs every step; each holds its
+        slice of the model and of the KV cache, heads split, and samples the same tokens from the
+        gathered logits). On CUDA rank r uses device r (untested)."""
         self.config = config
+        self.parallel = parallel
         self.device = torch.device(config.device.device)
+        if self.device.type == "cuda" and parallel.is_parallel:
+            self.device = torch.device("cuda", parallel.tp_rank)
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
-        self.arch = config.model.arch
+        self.arch = rank_arch_config(config.model.arch, parallel.tp_size)  # this rank's heads and widths
         self.backend = make_attention_backend(config.runner.attention_backend)
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
@@ -72,7 +81,7 @@ class ModelRunner:
     # -- start-up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        self.model = load_model(self.config, self.backend, self.device)
+        self.model = load_model(self.config, self.backend, self.device, self.parallel)
         logger.info("Loaded %s (%s, %s) in %.1fs", self.arch.architecture, self.config.model.dtype,
                     self.device, time.perf_counter() - start)
 
@@ -134,6 +143,9 @@ class ModelRunner:
         num_cpu_blocks = 0
         if self.config.scheduler.preemption_mode == "swap":
             num_cpu_blocks = int(cache.swap_space_gb * GiB // per_block)
+        # Tensor-parallel ranks hold the same blocks (their slices of every head): the scheduler sees one pool.
+        num_blocks = all_reduce_min(num_blocks, self.parallel)
+        num_cpu_blocks = all_reduce_min(num_cpu_blocks, self.parallel)
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
         dtype = self._kv_dtype()

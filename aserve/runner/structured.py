@@ -80,7 +80,7 @@ class StructuredOutputs:
         vocab = model.arch.vocab_size
         eos = list(model.arch.eos_token_ids) or None
         self._compilers = StructuredOutputCompilers(tokenizer, vocab, stop_token_ids=eos,
-                                                    default_backend=self._config.structured_outputs.backend)
+                                                    default_backend=self._config.structured_outputs)
         self._builder = BitmaskBuilder(vocab, self._max_num_rows,
                                        pin_memory=self._config.device.device == "cuda")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-bitmask")

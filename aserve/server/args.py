@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ _ENGINE_HELP = {
     "dtype": "weight/activation dtype: auto, half, float16, bfloat16, float, float32",
     "kv_cache_dtype": "KV-cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2",
     "num_gpu_blocks_override": "use this many KV blocks instead of profiling",
-    "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process)",
+    "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process per "
+                                    "tensor-parallel rank; the default with -tp > 1); ray is not implemented",
     "disable_async_output_proc": "do not overlap output processing with the next step",
     "enforce_eager": "never capture CUDA graphs (the same as -O0)",
     "compilation_config": "-O / -O3: a compilation level (0 eager, 3 compiled: CUDA graphs on CUDA, an "
@@ -42,15 +44,21 @@ _ENGINE_HELP = {
     "hf_overrides": "JSON object merged into the model's config.json",
     "rope_scaling": 'JSON object, e.g. \'{"rope_type": "linear", "factor": 2.0}\'',
     "disable_log_stats": "no periodic stats log line",
-    "tensor_parallel_size": "tensor-parallel degree (only 1 is implemented)",
+    "tensor_parallel_size": "tensor-parallel degree: split each layer across this many worker processes "
+                            "(one per rank, mp backend; gloo on CPU, NCCL on CUDA)",
     "pipeline_parallel_size": "pipeline-parallel degree (only 1 is implemented)",
+    "data_parallel_size": "data-parallel replicas (only 1 is implemented)",
     "guided_decoding_backend": "grammar engine for structured outputs: auto, xgrammar or guidance "
-    "(a request's guided_decoding_backend overrides it)",
-    "structured_outputs_config": 'vLLM\'s newer spelling, a JSON object, e.g. \'{"backend": "xgrammar"}\'',
+    "(a request's guided_decoding_backend overrides it), with vLLM's options after a colon for every request: "
+    "disable-any-whitespace, disable-additional-properties, no-fallback (e.g. xgrammar:disable-any-whitespace)",
+    "structured_outputs_config": 'vLLM\'s newer spelling, a JSON object: backend, disable_any_whitespace, '
+    'disable_additional_properties, disable_fallback, reasoning_parser (= --reasoning-parser), e.g. '
+    '\'{"backend": "xgrammar", "disable_any_whitespace": true}\'',
     "model_impl": "auto: aserve's native class when there is one, else the Transformers backend; aserve: native "
                   "only; transformers: always transformers' modeling code with aserve's paged attention",
 }
-_SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "compilation_config": "-O"}
+_SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+                  "compilation_config": "-O", "quantization": "-q"}
 
 
 @dataclass(frozen=True)
@@ -283,11 +291,20 @@ def add_tool_and_reasoning_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how the model marks its reasoning (implies --enable-reasoning)")
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser(serve_command: bool = False) -> argparse.ArgumentParser:
+    """The `aserve [flags]` parser; `serve_command`: vLLM's `aserve serve [MODEL] [flags]` form, whose
+    optional positional MODEL is the same as --model."""
+    from aserve import __version__
+
     parser = argparse.ArgumentParser(
-        prog="aserve",
-        description="OpenAI-compatible LLM server (aserve).",
+        prog="aserve serve" if serve_command else "aserve",
+        description="OpenAI-compatible LLM server (aserve). `aserve serve [MODEL] [flags]` (vLLM's form) "
+        "and `aserve [flags]` are the same command.",
     )
+    parser.add_argument("--version", action="version", version=f"aserve {__version__}")
+    if serve_command:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="the model to serve, as --model (vLLM's `serve MODEL` form)")
     add_engine_arguments(parser)
     add_server_arguments(parser)
     add_tool_and_reasoning_arguments(parser)
@@ -299,7 +316,13 @@ def split_namespace(
 ) -> tuple[EngineArgs, ServerArgs]:
     """Split parsed flags into `EngineArgs` and `ServerArgs` (the API key may come from the environment)."""
     environ = os.environ if environ is None else environ
-    values = vars(ns)
+    values = dict(vars(ns))
+    model_tag = values.pop("model_tag", None)
+    if model_tag is not None:  # `aserve serve MODEL`
+        if values.get("model") not in ("", model_tag):
+            raise ValueError(f"the model is given twice: {model_tag!r} (after `serve`) and --model "
+                             f"{values['model']!r}; give one")
+        values["model"] = model_tag
     engine_names = EngineArgs.field_names()
     engine_args = EngineArgs(**{k: v for k, v in values.items() if k in engine_names})
     if isinstance(engine_args.served_model_name, list) and len(engine_args.served_model_name) == 1:
@@ -314,6 +337,16 @@ def split_namespace(
         server_values["api_key"] = environ.get("ASERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         server_values[name] = tuple(server_values[name])
+    parser = (engine_args.structured_outputs_config or {}).get("reasoning_parser")
+    if parser is not None:  # vLLM's newer home of --reasoning-parser: the same setting
+        given = server_values.get("reasoning_parser")
+        if parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"--structured-outputs-config: reasoning_parser must be one of "
+                             f"{REASONING_PARSER_NAMES}, got {parser!r}")
+        if given is not None and given != parser:
+            raise ValueError(f"--structured-outputs-config: reasoning_parser {parser!r} contradicts "
+                             f"--reasoning-parser {given!r}")
+        server_values["reasoning_parser"] = parser
     if server_values.get("reasoning_parser"):
         server_values["enable_reasoning"] = True  # vLLM: --reasoning-parser implies it
     server_args = ServerArgs(**server_values)
@@ -369,8 +402,12 @@ def validate_server_args(args: ServerArgs) -> None:
 def parse_args(
     argv: list[str] | None = None, environ: typing.Mapping[str, str] | None = None
 ) -> tuple[EngineArgs, ServerArgs]:
-    parser = make_parser()
-    ns = parser.parse_args(argv)
+    """Parses `aserve [flags]` or vLLM's `aserve serve [MODEL] [flags]` (argv without the program name;
+    None: sys.argv[1:]). Exits with status 2 and a usage line for bad flags, 0 after --help / --version."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_command = bool(argv) and argv[0] == "serve"
+    parser = make_parser(serve_command)
+    ns = parser.parse_args(argv[1:] if serve_command else argv)
     try:
         return split_namespace(ns, environ)
     except ValueError as exc:

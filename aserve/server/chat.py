@@ -86,8 +86,30 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
-    if req.store:
-        raise unsupported("store", "this server does not store completions")
+    """OpenAI fields whose request cannot be honoured here (ignoring them would change the answer)."""
+    if req.modalities and "audio" in req.modalities:
+        raise unsupported("modalities", "only text output is served")
+    if req.audio is not None:
+        raise unsupported("audio", "only text output is served")
+    if req.web_search_options is not None:
+        raise unsupported("web_search_options", "this server has no web search")
+    if req.functions is not None:
+        raise unsupported("functions", "use `tools` (the legacy functions API is not served)")
+    if req.function_call is not None:
+        raise unsupported("function_call", "use `tool_choice` (the legacy functions API is not served)")
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The chat template's extra variables: `chat_template_kwargs`, plus `reasoning_effort` (templates of
+    reasoning models read it, e.g. gpt-oss's); the two may not disagree."""
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is None:
+        return kwargs
+    kwargs = dict(kwargs or {})
+    if kwargs.setdefault("reasoning_effort", req.reasoning_effort) != req.reasoning_effort:
+        raise bad_request("reasoning_effort contradicts chat_template_kwargs.reasoning_effort",
+                          param="reasoning_effort")
+    return kwargs
 
 
 def _top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -139,7 +161,7 @@ async def create_chat_completion(request: Request) -> Response:
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=_template_kwargs(req),
         tools=req.tools,
     )
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -271,17 +293,18 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
     done = False
     pipelines: dict[int, ChoiceOutput] = {}
     held_logprobs: dict[int, list[Any]] = {}  # per choice: logprobs of a feed that gave no chunk
-    try:
-        first = [
-            chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
+    # The role chunks (and the echo) go out with the first token, as vLLM sends them: a client timing
+    # its first chunk measures the real TTFT, and a request timing out before its first token is a 504.
+    opening = [
+        chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role=job.role, content=""))])
+        for i in range(job.n)
+    ]
+    if job.echo_text:
+        opening += [
+            chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=job.echo_text))])
             for i in range(job.n)
         ]
-        if job.echo_text:
-            first += [
-                chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=job.echo_text))])
-                for i in range(job.n)
-            ]
-        await emit(b"".join(first))
+    try:
         async for out in job.outputs:
             events = []
             for c in out.outputs:
@@ -330,11 +353,13 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
                 )
             if out.finished:
                 done = True
+            if opening and (events or done):
+                events, opening = opening + events, []
             if events:
                 await emit(b"".join(events))
             if done:
                 break
-        await emit(end_events(job, ChatCompletionChunk))
+        await emit(b"".join(opening) + end_events(job, ChatCompletionChunk))
     except Exception as exc:
         logger.exception("chat request %s failed while streaming", job.request_id)
         await emit(failure_events(exc))

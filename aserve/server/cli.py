@@ -9,7 +9,7 @@ import sys
 from aserve.config import ConfigError
 from aserve.server.args import ServerArgs, make_parser, parse_args
 from aserve.server.chat_template import load_flag_template
-from aserve.server.launch import python_log_level, run
+from aserve.server.launch import PortInUseError, bind_socket, python_log_level, run
 
 logger = logging.getLogger("aserve.server")
 
@@ -28,7 +28,8 @@ class StartupError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Returns 0 after a graceful shutdown; 2 for bad arguments; 1 if the engine fails."""
+    """Returns 0 after a graceful shutdown; 2 for bad arguments or a busy port (found before the model
+    loads); 1 if the engine fails."""
     engine_args, server_args = parse_args(argv)
     configure_logging(server_args)
     if server_args.chat_template:
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
             load_flag_template(server_args.chat_template)  # fail before loading the model
         except ConfigError as exc:
             make_parser().error(str(exc))
+    try:
+        sock = bind_socket(server_args.host, server_args.port)  # before the model loads: fail in a second
+    except PortInUseError as exc:
+        print(f"aserve: error: {exc}", file=sys.stderr)
+        return 2
 
     def build_engine():
         # Imported here: importing the server loads no engine internals until an engine is built.
@@ -46,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             raise StartupError(str(exc)) from exc
 
     try:
-        run(build_engine, server_args)
+        run(build_engine, server_args, sock)
     except StartupError as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ its supervisor to restart it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -58,11 +59,20 @@ def python_log_level(name: str) -> int:
     return logging.DEBUG if name.lower() == "trace" else logging.getLevelName(name.upper())
 
 
+class PortInUseError(OSError):
+    """The address to listen on is taken (or not ours to bind); the message is one line naming it."""
+
+
 def bind_socket(host: str | None, port: int) -> socket.socket:
-    """A listening TCP socket (port 0 picks a free port); None binds all interfaces."""
+    """A listening TCP socket (port 0 picks a free port); None binds all interfaces. Raises
+    PortInUseError (one line naming --host/--port) when the address cannot be bound."""
     host = host or "0.0.0.0"
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    return socket.create_server((host, port), family=family, backlog=2048)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise PortInUseError(f"--port {port}: cannot listen on {host}:{port}: {reason}") from None
 
 
 def hypercorn_config(args: ServerArgs, sock: socket.socket) -> HypercornConfig:
@@ -150,9 +160,13 @@ async def serve(
     *,
     stop: anyio.Event | None = None,
     handle_signals: bool = True,
+    sock: socket.socket | None = None,
     task_status: TaskStatus[BoundAddress] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the engine loop, the stats logger and the HTTP server until `stop` is set (or a signal).
+
+    `sock`: a listening socket bound beforehand (the CLI binds before loading the model, so a busy
+    port fails at once); None binds `args.host:args.port` here.
 
     Reports the bound address through `task_status` once the socket listens and the engine runs.
     Returns after a graceful shutdown; raises EngineDiedError after shutting down if the engine died.
@@ -160,7 +174,7 @@ async def serve(
     stop = stop or anyio.Event()
     app = create_app(engine, args)
     state = app.state.aserve
-    sock = bind_socket(args.host, args.port)
+    sock = sock or bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     config = hypercorn_config(args, sock)
 
@@ -196,14 +210,14 @@ async def serve(
     logger.info("server stopped")
 
 
-def run(engine_factory: Any, args: ServerArgs) -> None:
+def run(engine_factory: Any, args: ServerArgs, sock: socket.socket | None = None) -> None:
     """Blocking entry point: build the engine inside the event loop (asyncio + uvloop) and serve.
 
-    `engine_factory()` is called in the loop, so it may create anyio primitives.
+    `engine_factory()` is called in the loop, so it may create anyio primitives. `sock`: see `serve`.
     """
 
     async def main() -> None:
         engine = engine_factory()
-        await serve(engine, args)
+        await serve(engine, args, sock=sock)
 
     anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})

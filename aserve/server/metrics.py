@@ -17,8 +17,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from aserve.engine.stats import SchedulerStats
-from aserve.engine.stats import IterationStats
+from aserve.engine.stats import IterationStats, SchedulerStats, StatLineLogger
 
 logger = logging.getLogger("aserve.server.stats")
 
@@ -205,8 +204,9 @@ class PrometheusStatLogger:
         return generate_latest(self.registry)
 
 
-class LoggingStatLogger:
-    """A StatLogger that sums per-step stats and logs one throughput/state line per interval."""
+class LoggingStatLogger(StatLineLogger):
+    """The engine's stats line (aserve.engine.stats.StatLineLogger), logged by a timer task every
+    `interval` seconds under the server's logger name."""
 
     def __init__(
         self,
@@ -214,55 +214,11 @@ class LoggingStatLogger:
         clock: Callable[[], float] = time.monotonic,
         log: Callable[[str], None] | None = None,
     ):
-        self.interval = interval
-        self._clock = clock
-        self._log = log or logger.info
-        self._last_time = clock()
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._latest = SchedulerStats()
-        self._prefix_queries = 0
-        self._prefix_hits = 0
-        self._changed = False
-
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        self._prompt_tokens += iteration_stats.num_prompt_tokens
-        self._generation_tokens += iteration_stats.num_generation_tokens
-        self._prefix_queries += scheduler_stats.prefix_cache_queries
-        self._prefix_hits += scheduler_stats.prefix_cache_hits
-        self._latest = scheduler_stats
-        self._changed = True
-
-    def format_line(self) -> str | None:
-        """The line for the interval since the last call (None if the engine was idle); resets the sums."""
-        now = self._clock()
-        elapsed = max(now - self._last_time, 1e-9)
-        s = self._latest
-        busy = self._changed and (
-            self._prompt_tokens or self._generation_tokens or s.num_running_reqs or s.num_waiting_reqs
-        )
-        queries, hits = self._prefix_queries, self._prefix_hits
-        line = None
-        if busy:
-            hit_rate = 100.0 * hits / queries if queries > 0 else 0.0
-            line = (
-                f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
-                f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
-                f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-                f"Swapped: {s.num_swapped_reqs} reqs, KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
-                f"Prefix cache hit rate: {hit_rate:.1f}%"
-            )
-        self._last_time = now
-        self._prompt_tokens = self._generation_tokens = 0
-        self._prefix_queries = self._prefix_hits = 0
-        self._changed = bool(s.num_running_reqs or s.num_waiting_reqs)
-        return line
+        super().__init__(interval, clock, log or logger.info)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Log every `interval` seconds until cancelled."""
         task_status.started()
         while True:
             await anyio.sleep(self.interval)
-            line = self.format_line()
-            if line is not None:
-                self._log(line)
+            self.log_line()

@@ -22,6 +22,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's: accepted; chunks never carry obfuscation padding
 
 
 class _Part(Struct, tag_field="type", forbid_unknown_fields=True):
@@ -149,7 +150,26 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    store: bool | None = None  # declared so that it can be refused clearly when set
+    # The rest of OpenAI's chat request (README: "OpenAI request fields"). Served: reasoning_effort (the
+    # chat template's `reasoning_effort` variable). Accepted and ignored, as they change nothing an
+    # answer here could show: store (nothing is stored), metadata (kept only with store), service_tier
+    # (one tier), prompt_cache_key / prompt_cache_retention (prefix caching is automatic), safety_identifier,
+    # verbosity (a hint to OpenAI's own models), prediction (predicted outputs only speed OpenAI up).
+    # Refused by name (`chat._reject_unsupported`): audio output, web search, the legacy functions API.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     # chat templating (vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -111,7 +111,7 @@ class GrammarCompiler:
         field = field_name(kind)
         value = getattr(params, kind)
         try:
-            if kind == "json":
+            if kind == "json":  # strict_mode (the default) closes objects: disable_additional_properties holds
                 return self._compiler.compile_json_schema(value, **self._json_options(params))
             if kind == "json_object":  # OpenAI's json_object: any JSON object (not an array)
                 return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False,

@@ -5,7 +5,9 @@ state_for) and `GuidanceState` mirrors `state.GrammarState` (accept_token(s), is
 is_terminated, rollback, reset, rebuild, fill_bitmask). Bitmasks use the same layout, so
 `bitmask.BitmaskBuilder` fills both kinds of state into one tensor.
 
-Differences from xgrammar: JSON whitespace may follow any `whitespace_pattern`; `structural_tag`
+Differences from xgrammar: JSON whitespace may follow any `whitespace_pattern`; a JSON schema's
+objects allow properties it does not list unless it says `additionalProperties: false` (or the spec
+sets `disable_additional_properties`, which closes them as xgrammar does); `structural_tag`
 is not supported (GrammarCompileError naming it); `grammar` accepts GBNF/EBNF (`root ::= ...`,
 converted to Lark) and Lark. Runner side only (llguidance's torch helpers import torch).
 """
@@ -90,6 +92,8 @@ def grammar_spec(params: GuidedDecodingParams) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = '{"type": "object"}' if kind == "json_object" else value
+            if kind == "json" and params.disable_additional_properties:
+                schema = close_objects(json.loads(schema) if isinstance(schema, str) else schema)
             schema = schema if isinstance(schema, str) else json.dumps(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_json_defaults(params))
         if kind == "regex":
@@ -101,6 +105,38 @@ def grammar_spec(params: GuidedDecodingParams) -> str:
     except (ValueError, TypeError, RuntimeError) as e:
         raise GrammarCompileError(field, f"cannot compile: {e}") from None
     raise GrammarCompileError(field, "is not supported by the guidance backend; use xgrammar")
+
+
+# Keywords whose value is a subschema, a list of them, or a name -> subschema map (JSON Schema 2020-12).
+_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of `schema` in which every object schema (type "object", or one with `properties`)
+    that does not say `additionalProperties` gets `false`, as vLLM's disable_additional_properties
+    does; `enum` / `const` values and other non-schema keywords are left alone."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = close_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _json_defaults(params: GuidedDecodingParams) -> dict[str, Any]:

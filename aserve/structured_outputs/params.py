@@ -1,6 +1,7 @@
 """What a request asks its output to follow: `GuidedDecodingParams` (vLLM's name and fields).
 
-Imports only stdlib and msgspec, so `aserve.sampling_params` can import it at module level.
+Imports only stdlib, msgspec and `aserve.config` (stdlib only), so `aserve.sampling_params` can
+import it at module level.
 `validate()` raises `aserve.sampling_params.SamplingParamsError`, imported lazily inside the
 method: that keeps `sampling_params -> structured_outputs.params` a one-way import (no cycle).
 
@@ -17,6 +18,14 @@ from typing import Any
 
 import msgspec
 
+from aserve.config.guided_decoding import (
+    GUIDED_DECODING_BACKENDS,
+    GUIDED_OPTION_FIELDS,
+    UNSHIPPED_GUIDED_BACKENDS,
+    split_backend_options,
+)
+from aserve.config.schema import StructuredOutputsConfig
+
 # The kinds of constraint, in the order they are reported; exactly one must be given.
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -32,10 +41,10 @@ _FIELD_NAMES = {
     "backend": "guided_decoding_backend",
 }
 
-# Names `--guided-decoding-backend` / `guided_decoding_backend` accept.
-GUIDED_DECODING_BACKENDS = ("auto", "xgrammar", "guidance")
-# vLLM backends we recognise but do not ship: they fail at start-up with this hint.
-_UNSUPPORTED_BACKENDS = ("outlines", "lm-format-enforcer")
+# Names `--guided-decoding-backend` / `guided_decoding_backend` accept: GUIDED_DECODING_BACKENDS;
+# vLLM backends we recognise but do not ship fail with a hint (UNSHIPPED_GUIDED_BACKENDS).
+__all__ = ["GUIDED_DECODING_BACKENDS", "GrammarCompileError", "GuidedDecodingParams", "StructuredOutputsParams",
+           "check_backend_name", "field_name"]
 
 
 class GrammarCompileError(ValueError):
@@ -57,13 +66,14 @@ def field_name(kind: str) -> str:
 def check_backend_name(name: str) -> str:
     """Normalises a guided-decoding backend name; raises ValueError with a user-facing message.
 
-    Accepts "auto", "xgrammar" and "guidance" (case-insensitive; vLLM's option suffix such as
-    "xgrammar:no-fallback" is accepted and dropped); "guidance" needs the llguidance package.
-    "outlines" and "lm-format-enforcer" are vLLM backends aserve does not ship: a clear error.
-    Returns the bare lower-case name.
+    Accepts "auto", "xgrammar" and "guidance" (case-insensitive), with vLLM's option suffix such as
+    "xgrammar:no-fallback,disable-any-whitespace" (see aserve/config/guided_decoding.py; an unknown
+    option is an error naming it; `GuidedDecodingParams.resolved` applies them); "guidance" needs the
+    llguidance package. "outlines" and "lm-format-enforcer" are vLLM backends aserve does not ship:
+    a clear error. Returns the bare lower-case name.
     """
-    bare = str(name).strip().lower().split(":", 1)[0]
-    if bare in _UNSUPPORTED_BACKENDS:
+    bare, _ = split_backend_options(name)
+    if bare in UNSHIPPED_GUIDED_BACKENDS:
         raise ValueError(
             f"guided decoding backend {bare!r} is not supported by aserve; "
             "use 'auto', 'xgrammar' or 'guidance'")
@@ -93,10 +103,13 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     (JSON only; a regex for the whitespace between JSON tokens: xgrammar supports only "" = none,
     the guidance backend any pattern, and "auto" picks guidance for a non-empty one),
     `disable_any_whitespace` (JSON compact: no free whitespace between tokens),
-    `disable_additional_properties` (accepted for vLLM compatibility: xgrammar always compiles
-    JSON schemas strictly, i.e. properties not in the schema are never generated unless the
-    schema allows them explicitly, which satisfies OpenAI's `strict: true`; the guidance backend
-    follows the schema as written), `disable_fallback` (accepted; backends do not fall back),
+    `disable_additional_properties` (a JSON schema's objects that do not say `additionalProperties`
+    get `false`: only the listed properties are generated. xgrammar compiles schemas that way anyway
+    (which satisfies OpenAI's `strict: true`); the guidance backend follows the schema as written
+    unless this is set), `disable_fallback` ("auto" keeps the spec on xgrammar instead of routing
+    what only guidance serves, a non-empty `whitespace_pattern`, to guidance). A `backend` with
+    vLLM's option suffix ("xgrammar:disable-any-whitespace") sets these too (see `resolved`);
+    the engine's `--structured-outputs-config` options apply to every request (`resolved`).
     `reasoning_end_token_ids` (the grammar starts after the output holds these ids: the server
     sets it to `</think>`'s ids under `--reasoning-parser`).
 
@@ -127,6 +140,25 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.structural_tag = _json.dumps(self.structural_tag)
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
+
+    def resolved(self, defaults: StructuredOutputsConfig | None = None) -> GuidedDecodingParams:
+        """This validated spec as the grammar backends compile it: a `backend` option suffix folded
+        into the option fields (`backend` left bare), and the engine-wide options of `defaults` turned
+        on, except compact JSON for a spec that brings its own `whitespace_pattern`. Options only
+        ever turn on (a request cannot switch off what the engine enforces). Returns self when
+        nothing changes; ValueError for an unknown suffix option (`validate()` reports it first)."""
+        changes: dict[str, Any] = {}
+        if self.backend is not None and ":" in self.backend:
+            bare, options = split_backend_options(self.backend)
+            changes["backend"] = bare
+            changes.update({k: True for k in options if not getattr(self, k)})
+        if defaults is not None:
+            for name in GUIDED_OPTION_FIELDS:
+                if getattr(defaults, name) and not getattr(self, name):
+                    if name == "disable_any_whitespace" and self.whitespace_pattern is not None:
+                        continue
+                    changes[name] = True
+        return msgspec.structs.replace(self, **changes) if changes else self
 
     def kinds_given(self) -> list[str]:
         """The constraint kinds that are set (`json_object=False` counts as not set)."""
@@ -224,6 +256,8 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             canonical = value
         json_options = (self.whitespace_pattern, self.disable_any_whitespace) if kind in (
             "json", "json_object") else ()
+        if kind == "json":
+            json_options += (self.disable_additional_properties,)
         return (kind, canonical, *json_options)
 
 

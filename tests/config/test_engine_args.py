@@ -35,10 +35,13 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "--max-num-batched-tokens"),  # < max_num_seqs
     (dict(preemption_mode="swap", swap_space=0), "--swap-space"),
     # accepted vLLM flags that are not implemented: refused, never ignored
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
+    (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend"),
+    (dict(tensor_parallel_size=2, quantization="gguf"), "--quantization"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
+    (dict(data_parallel_size=2), "--data-parallel-size"),
     (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
-    (dict(quantization="awq"), "--quantization"),
+    (dict(quantization="fp8"), "--quantization"),  # not built yet (tests/config/test_quantization.py)
     (dict(quantization="gguf"), "--quantization"),  # a hub id / missing path is not a .gguf source
     (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
     (dict(quantization="gguf", load_format="dummy"), "--quantization"),

@@ -31,8 +31,11 @@ def test_cuda_defaults(model_dir):
 
 def test_model_path_tokenizer_and_served_names(model_dir):
     cfg = EngineArgs(model="", served_model_name=None).create_config(model_path=model_dir, tokenizer_path="/tok")
-    assert cfg.model.served_model_names == ("SmolLM2-135M-Instruct",)  # the bundled model's name
+    # the bundled model answers to its short name and its Hub id, the one given first
+    assert cfg.model.served_model_names == ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert cfg.model.model_path == model_dir and cfg.model.tokenizer == "/tok"
+    cfg = EngineArgs(model="HuggingFaceTB/SmolLM2-135M-Instruct").create_config(model_path=model_dir)
+    assert cfg.model.served_model_names == ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
     cfg = EngineArgs(model=model_dir, served_model_name=["a", "b"]).create_config()
     assert cfg.model.served_model_names == ("a", "b") and cfg.model.served_model_name == "a"
 

@@ -187,3 +187,16 @@ def test_bundled_model_converts_and_matches_transformers():
     got = run_schedule(ours, [ids], [[(0, split)], [(0, 5)]], block_size=16, num_blocks=16)[0]
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bundled_hub_id_resolves_to_the_bundled_copy_without_the_network(cache_dir, fake_converter, monkeypatch):
+    """vLLM snippets name the bundled model by its Hub id: that resolves to the bundled GGUF's folder."""
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(model_source, "_download_from_hub", no_hub)
+    folder = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", None, None, "auto")
+    assert folder == resolve_model("", None, None, "auto") == str(cache_dir / "models" / "SmolLM2-135M-Instruct")
+    assert len(fake_converter) == 1  # converted once, shared by both names
+    with pytest.raises(AssertionError, match="the Hub was asked"):  # a revision asks for the Hub's files
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", "main", None, "auto")

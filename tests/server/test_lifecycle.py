@@ -148,12 +148,19 @@ def test_engine_death_ends_streams_fails_health_and_serve(model_folder, tokenize
     with running_server(lambda: recording_engine(model_folder, model), quiet_args(), join=False) as srv:
         with httpx.Client(base_url=srv.url, timeout=10) as client:
             assert client.get("/health").status_code == 200
-            with client.stream("POST", CHAT, json={"messages": USER, "max_tokens": 5, "stream": True}) as r:
-                lines = r.iter_lines()
-                assert next(lines).startswith("data: ")
-                model.fatal = RuntimeError("boom")  # the runner raises: fatal for the engine
-                model.resume()
-                rest = [line for line in lines if line]
+            rest: list[str] = []
+
+            def stream() -> None:  # nothing is sent before the first token, so it waits in a thread
+                with httpx.Client(base_url=srv.url, timeout=10) as c:
+                    with c.stream("POST", CHAT, json={"messages": USER, "max_tokens": 5, "stream": True}) as r:
+                        rest.extend(line for line in r.iter_lines() if line)
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            wait_until(lambda: len(srv.engine.streams) == 1)  # in flight, its first step held
+            model.fatal = RuntimeError("boom")  # the runner raises: fatal for the engine
+            model.resume()
+            thread.join(10)
             assert json.loads(rest[-2][len("data: ") :])["error"]["code"] == "engine_error"
             assert rest[-1] == "data: [DONE]"
             # the server lingers (ENGINE_DEATH_LINGER_S) answering 503 before it stops

@@ -201,6 +201,30 @@ def test_request_timeout_aborts_frees_blocks_and_answers_504_or_an_sse_error(mod
             assert portal.call(engine.get_scheduler_stats).num_used_blocks == 0
 
 
+def test_chat_stream_sends_its_role_chunk_with_the_first_token(model):
+    """The role chunk waits for the first token (as vLLM's), so a chat stream timing out before its
+    first token is a 504 too, and the first chunk arrives when the first token does."""
+    slow_chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
+                 "stream": True, "chat_template": "/{{ messages[0]['content'] }}"}  # "/" is token SLOW_FIRST
+    with slow_server(model, request_timeout=1.0) as (portal, engine, url):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            r = client.post("/v1/chat/completions", json=slow_chat)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+            _wait_until(lambda: portal.call(engine.queued_load)[0] == 0, timeout=10)
+    with slow_server(model) as (_, _, url):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            start = time.monotonic()
+            with client.stream("POST", "/v1/chat/completions", json=slow_chat) as s:
+                lines = s.iter_lines()
+                first = next(line for line in lines if line)
+                first_s = time.monotonic() - start
+                rest = [line for line in lines if line]
+    assert first_s > 2.5  # the first step takes 3 s: nothing came before it
+    assert json.loads(first[len("data: "):])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "role" not in json.loads(rest[0][len("data: "):])["choices"][0]["delta"]  # then the tokens
+    assert rest[-1] == "data: [DONE]"
+
+
 def test_several_api_keys_share_the_batch_and_only_a_hash_reaches_the_engine(model):
     keys = ("key-a", "key-b")
     with slow_server(model, api_key=keys) as (portal, engine, url):

@@ -1,4 +1,11 @@
-"""Token embedding and the LM head (optionally tied to the embedding)."""
+"""Token embedding and the LM head (optionally tied to the embedding).
+
+Under tensor parallelism the loader makes both vocab-parallel (`set_vocab_parallel`): each rank holds
+`ceil(vocab / tp)` rows (the last rank's tail is zero padding, so every vocabulary size splits). The
+embedding looks up the ids in its range (zero elsewhere) and all-reduces; the LM head computes its
+rows' logits and all-gathers them, dropping the padding. A tied head shares the embedding's parameter,
+so the embedding's slice is the head's. Position tables (`PositionEmbedding`) stay replicated.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.distributed.collectives import all_gather_last_dim, all_reduce
+from aserve.distributed.context import ParallelContext
 from aserve.model.layers.linear import _copy_checked
 from aserve.kernels.cpu_ops import CpuKernels
 from aserve.model.quantization.cpu_kernel import kernel_rows
 from aserve.model.quantization.cpu_packed import pack_weight, packed_linear
+
+
+class VocabShard:
+    """This rank's rows of a vocab-parallel table: `[start, start + num_rows)` of `vocab_size`, stored
+    in `rows_per_rank` rows (the tail past `num_rows` is padding)."""
+
+    def __init__(self, ctx: ParallelContext, vocab_size: int):
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // ctx.tp_size)
+        self.start = ctx.tp_rank * self.rows_per_rank
+        self.num_rows = max(0, min(self.rows_per_rank, vocab_size - self.start))
+
+    def resize(self, param: nn.Parameter) -> None:
+        """Give the (possibly shared) parameter this rank's zero-filled slice, in place."""
+        param.data = torch.zeros(self.rows_per_rank, param.shape[1], dtype=param.dtype, device=param.device)
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {self.vocab_size} rows")
+        _copy_checked(param.data[:self.num_rows], loaded[self.start:self.start + self.num_rows])
 
 
 class VocabEmbedding(nn.Module):
@@ -20,12 +50,27 @@ class VocabEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
+        self.shard: VocabShard | None = None  # vocab-parallel (set by the loader)
+
+    def set_vocab_parallel(self, ctx: ParallelContext) -> None:
+        """Hold only this rank's rows (before loading weights; a tied LM head follows, sharing the parameter)."""
+        self.shard = VocabShard(ctx, self.num_embeddings)
+        self.shard.resize(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        shard = self.shard
+        if shard is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - shard.start
+        outside = (local < 0) | (local >= shard.num_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0), shard.ctx)
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        _copy_checked(param.data, loaded)
+        if self.shard is not None:
+            self.shard.load(param, loaded)
+        else:
+            _copy_checked(param.data, loaded)
 
 
 class PositionEmbedding(VocabEmbedding):
@@ -55,6 +100,15 @@ class LMHead(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # the CPU form, from `pack_for_cpu`
         self.cpu_kernels: CpuKernels | None = None  # set by `use_cpu_kernel`
         self.vnni_weight: torch.Tensor | None = None  # its packed copy of the weight, when the shape packs
+        self.num_embeddings = num_embeddings
+        self.shard: VocabShard | None = None  # vocab-parallel (set by the loader)
+
+    def set_vocab_parallel(self, ctx: ParallelContext) -> None:
+        """Compute only this rank's rows of the logits and gather them (before loading weights; a tied
+        head's shared parameter is resized by its embedding, not here)."""
+        self.shard = VocabShard(ctx, self.num_embeddings)
+        if not self.tied:
+            self.shard.resize(self.weight)
 
     def pack_for_cpu(self) -> None:
         """After loading: multiply by a oneDNN-packed copy of the weight (aserve/model/quantization/
@@ -69,6 +123,12 @@ class LMHead(nn.Module):
         self.vnni_weight = kernels.pack_vnni(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._local_logits(hidden)
+        if self.shard is None:
+            return logits
+        return all_gather_last_dim(logits, self.shard.ctx)[..., :self.num_embeddings]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         kernels = self.cpu_kernels
         if kernels is not None and self.vnni_weight is not None and kernels.accepts(hidden) and hidden.dim() == 2:
             return kernels.linear_vnni(hidden, self.vnni_weight, None, torch.float32)
@@ -79,4 +139,7 @@ class LMHead(nn.Module):
         return F.linear(hidden, self.weight).float()
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        _copy_checked(param.data, loaded)
+        if self.shard is not None:
+            self.shard.load(param, loaded)
+        else:
+            _copy_checked(param.data, loaded)

@@ -14,6 +14,10 @@ CPU, aserve's C-kernel / oneDNN-packed forms (`aserve.model.quantization.assign`
 applies the method to one `ExpertProjection` per expert and projection (views of the stacked weights
 until the method re-lays them out) and drops the stacked copies. Under torch.compile (CPU -O3) the
 grouped path is one opaque op (`aserve::moe_experts`): its expert loop depends on the routing.
+
+Tensor parallelism (`set_tensor_parallel`, set by the loader): every rank holds every expert with its
+intermediate dim split (the layer is built at this rank's width): gate|up rows and down columns are
+narrowed at load, and the output is all-reduced (each rank's sum over its slice of every expert).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.distributed.collectives import all_reduce
+from aserve.distributed.context import ParallelContext, shard_along
 from aserve.kernels import reference
 from aserve.model.layers.custom_op import CustomOp
 from aserve.model.quantization.base import LinearMethodBase, drop_weights, register_weight
@@ -83,12 +89,20 @@ class FusedMoE(CustomOp):
         self.layer_key = next(_LAYER_KEYS)
         _LAYERS[self.layer_key] = weakref.ref(self, lambda _, key=self.layer_key: _LAYERS.pop(key, None))
         self._fused_experts = None
+        self.parallel: ParallelContext | None = None  # set by the loader with more than one rank
         if self.form == "cuda":
             from aserve.kernels.fused_moe import fused_experts  # Triton: imported only where it runs
 
             self._fused_experts = fused_experts
 
     # -- loading ----------------------------------------------------------------------------------
+    def set_tensor_parallel(self, ctx: ParallelContext) -> None:
+        """Split every expert's intermediate dim across `ctx`'s ranks (before loading weights)."""
+        self.parallel = ctx
+
+    def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        return loaded if self.parallel is None else shard_along(loaded, dim, self.parallel)
+
     def shards_of(self, param_name: str) -> int:
         """How many checkpoint tensors fill each expert's slice of parameter `param_name`."""
         return 2 if param_name == "gate_up_proj" else 1
@@ -97,6 +111,11 @@ class FusedMoE(CustomOp):
         """An already-stacked checkpoint tensor (`[E, 2I, H]` / `[E, H, I]`, transformers' in-memory form)."""
         if shard_id is not None:
             raise ValueError(f"stacked expert weights take no shard id (got {shard_id})")
+        if self.parallel is not None and param is self.gate_up_proj:  # gate rows, then up rows: each split
+            halves = loaded.chunk(2, dim=1)
+            loaded = torch.cat([self._rank_slice(h, 1) for h in halves], dim=1)
+        elif self.parallel is not None:  # down_proj [E, H, I]
+            loaded = self._rank_slice(loaded, 2)
         _copy_checked(param.data, loaded)
 
     def load_expert_shard(self, param: torch.Tensor, loaded: torch.Tensor, expert_id: int,
@@ -109,7 +128,7 @@ class FusedMoE(CustomOp):
         dst = param.data[expert_id]
         if shard_id is not None:
             dst = dst.narrow(0, shard_id * self.intermediate_size, self.intermediate_size)
-        _copy_checked(dst, loaded)
+        _copy_checked(dst, self._rank_slice(loaded, 0 if param is self.gate_up_proj else 1))
 
     # -- methods ----------------------------------------------------------------------------------
     def set_quant_method(self, method: LinearMethodBase) -> None:
@@ -136,7 +155,8 @@ class FusedMoE(CustomOp):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.form != "cuda" and torch.compiler.is_compiling():
             return torch.ops.aserve.moe_experts(x, topk_weights, topk_ids, self.layer_key)
-        return self._impl(x, topk_weights, topk_ids)
+        out = self._impl(x, topk_weights, topk_ids)
+        return out if self.parallel is None else all_reduce(out, self.parallel)
 
     def forward_native(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.gate_up_experts is None:

@@ -33,6 +33,16 @@ class CausalLM(nn.Module):
     # which take float32 rows on CPU: the loader may let these return unrounded float32
     # (aserve/model/quantization/cpu_kernel.py).
     float_output_modules: ClassVar[tuple[str, ...]] = ()
+    # Tensor parallelism (applied from outside by the loader, aserve/model/tensor_parallel.py), by a Linear's
+    # short name: column-parallel layers split their output rows across ranks (a merged layer each part),
+    # row-parallel ones their input columns (outputs all-reduced). Any other Linear is replicated. The
+    # model builds every layer at the sizes of the rank's `ArchConfig` (aserve/config/parallel.py), so a
+    # layer whose width comes from heads or the intermediate size must be named here.
+    column_parallel_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "gate_up_proj")
+    row_parallel_modules: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj")
+    # Column-parallel merged layers whose parts are q | k | v: with fewer KV heads than ranks, each KV head's
+    # slice is shared by `tp / num_kv_heads` ranks.
+    qkv_modules: ClassVar[tuple[str, ...]] = ("qkv_proj",)
     # Checkpoint entries that carry no weights we use.
     ignored_suffixes: ClassVar[tuple[str, ...]] = (
         "rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

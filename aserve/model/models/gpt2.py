@@ -28,9 +28,9 @@ class GPT2Attention(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         fields = arch.family
-        hidden = arch.hidden_size
-        self.c_attn = MergedConv1DLinear(hidden, [hidden] * 3, bias=True, dtype=dtype)
-        self.c_proj = Conv1DLinear(hidden, hidden, bias=True, dtype=dtype)
+        hidden, q_size = arch.hidden_size, arch.num_attention_heads * arch.head_dim  # q_size: this rank's heads
+        self.c_attn = MergedConv1DLinear(hidden, [q_size] * 3, bias=True, dtype=dtype)
+        self.c_proj = Conv1DLinear(q_size, hidden, bias=True, dtype=dtype)
         scale = arch.head_dim**-0.5 if fields.scale_attn_weights else 1.0
         if fields.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
@@ -93,6 +93,9 @@ class GPT2Model(nn.Module):
 class GPT2LMHeadModel(CausalLM):
     # Both c_proj layers (attention output, MLP output) feed the residual add and a LayerNorm only.
     float_output_modules: ClassVar[tuple[str, ...]] = ("c_proj",)
+    column_parallel_modules: ClassVar[tuple[str, ...]] = ("c_attn", "c_fc")
+    row_parallel_modules: ClassVar[tuple[str, ...]] = ("c_proj",)
+    qkv_modules: ClassVar[tuple[str, ...]] = ("c_attn",)
     # transformers' causal-mask buffers, stored by older checkpoints.
     _BUFFERS: ClassVar[tuple[str, ...]] = (".attn.bias", ".attn.masked_bias")
 

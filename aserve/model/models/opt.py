@@ -32,8 +32,9 @@ class OPTAttention(nn.Module):
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         hidden, bias = arch.hidden_size, arch.family.enable_bias
-        self.qkv_proj = MergedLinear(hidden, [hidden] * 3, bias=bias, dtype=dtype)
-        self.out_proj = Linear(hidden, hidden, bias=bias, dtype=dtype)
+        q_size = arch.num_attention_heads * arch.head_dim  # this rank's heads
+        self.qkv_proj = MergedLinear(hidden, [q_size] * 3, bias=bias, dtype=dtype)
+        self.out_proj = Linear(q_size, hidden, bias=bias, dtype=dtype)
         self.attn = Attention(arch.num_attention_heads, arch.head_dim, arch.num_attention_heads,
                               arch.head_dim**-0.5, backend)
 
@@ -114,6 +115,8 @@ class OPTForCausalLM(CausalLM):
     }
     # Both feed the residual add and a LayerNorm only (in pre-LN and post-LN alike).
     float_output_modules: ClassVar[tuple[str, ...]] = ("out_proj", "fc2")
+    column_parallel_modules: ClassVar[tuple[str, ...]] = ("qkv_proj", "fc1")
+    row_parallel_modules: ClassVar[tuple[str, ...]] = ("out_proj", "fc2")
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):

@@ -5,7 +5,9 @@
   gguf.py         `--quantization gguf`: GGUF Q4_0/Q4_1 weights kept in 4 bits (CPU int4 kernel)
   int4.py         `--quantization int4`: weight-only group-32 int4, quantized at load (aserve extension)
   int8.py         `--quantization int8`: weight-only per-channel int8, quantized at load (aserve extension)
-  int4_cpu.py     the int4 kernel's weight form, packing and matmul (shared by gguf and int4)
+  int4_cpu.py     the int4 kernel's weight form, packing and matmul (shared by gguf, int4 and checkpoint_int)
+  checkpoint_int.py      gptq / awq / compressed-tensors checkpoints: the Linear method (4-bit kernel or dequantized)
+  checkpoint_formats.py  reading their on-disk packings into that method's form (aserve/config/quantization.py parses the config)
   gguf_file.py, gguf_reader.py   reading a GGUF file's index and its 4-bit Linear weights
 
 The loader (`aserve/model/loader.py`) chooses a method per layer; model files never do.

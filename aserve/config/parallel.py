@@ -1,0 +1,59 @@
+"""Tensor parallelism at the config level (standard library only): the checks a model must pass for
+`--tensor-parallel-size N`, and each rank's view of the architecture.
+
+A rank builds the model from `rank_arch_config(arch, N)`: attention heads, KV heads and MLP widths
+divided by N (KV heads replicated when there are fewer than N), the rest unchanged, so model files
+(which read sizes from `ArchConfig`) build this rank's slice without knowing about ranks. The vocabulary
+is not divided: the embedding and LM head are split by the loader, padding the last rank's share
+(`ceil(vocab / N)` rows each), so no vocabulary size is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aserve.config.errors import require
+from aserve.config.families import MoeFields
+from aserve.config.hf_config import ArchConfig
+
+_FLAG = "tensor_parallel_size"
+
+
+def check_tensor_parallel(arch: ArchConfig, tp_size: int) -> None:
+    """ConfigError naming --tensor-parallel-size unless every size a rank splits divides by `tp_size`:
+    attention heads, KV heads (or `tp_size` a multiple of them: each KV head is then replicated on
+    `tp_size / num_kv_heads` ranks, as vLLM does), the MLP's intermediate size, and for MoE families
+    each expert's and the shared expert's width."""
+    if tp_size == 1:
+        return
+    heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+    require(heads % tp_size == 0, _FLAG, f"{tp_size} does not divide the model's {heads} attention heads")
+    require(kv_heads % tp_size == 0 or tp_size % kv_heads == 0, _FLAG,
+            f"{tp_size} neither divides the model's {kv_heads} KV heads nor is a multiple of them "
+            "(with fewer KV heads than ranks each KV head is replicated, which needs a whole number per head)")
+    require(arch.intermediate_size % tp_size == 0, _FLAG,
+            f"{tp_size} does not divide the model's intermediate_size {arch.intermediate_size}")
+    fields = arch.family
+    if isinstance(fields, MoeFields):
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            size = getattr(fields, name)
+            require(size % tp_size == 0, _FLAG, f"{tp_size} does not divide the model's {name} {size}")
+
+
+def kv_head_replicas(num_kv_heads: int, tp_size: int) -> int:
+    """How many ranks hold each KV head (1 unless there are fewer KV heads than ranks)."""
+    return tp_size // num_kv_heads if tp_size > num_kv_heads else 1
+
+
+def rank_arch_config(arch: ArchConfig, tp_size: int) -> ArchConfig:
+    """One rank's view of `arch` (already checked by `check_tensor_parallel`); `arch` itself at tp=1."""
+    if tp_size == 1:
+        return arch
+    fields = arch.family
+    if isinstance(fields, MoeFields):
+        fields = dataclasses.replace(fields, moe_intermediate_size=fields.moe_intermediate_size // tp_size,
+                                     shared_expert_intermediate_size=fields.shared_expert_intermediate_size // tp_size)
+    return dataclasses.replace(
+        arch, num_attention_heads=arch.num_attention_heads // tp_size,
+        num_key_value_heads=max(1, arch.num_key_value_heads // tp_size),
+        intermediate_size=arch.intermediate_size // tp_size, family=fields)

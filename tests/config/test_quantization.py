@@ -1,0 +1,102 @@
+"""Choosing the quantization method: the checkpoint's `quantization_config` (or a quantize_config.json
+beside config.json), `--quantization` / `-q` overriding it, mismatches and formats not built refused at
+start-up naming them (aserve/config/quantization.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aserve.config import ConfigError, EngineArgs
+from aserve.config.quantization import QuantSpec
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+
+
+def _load(path: str, **kwargs):
+    return EngineArgs(model=path, device="cpu", **kwargs).create_config().load
+
+
+@pytest.mark.parametrize("qc, method, spec", [
+    (GPTQ, "gptq", QuantSpec("gptq", 4, 128, desc_act=True, sym=False, gptq_v1_zeros=True)),
+    ({**GPTQ, "checkpoint_format": "gptq_v2", "group_size": -1}, "gptq",
+     QuantSpec("gptq", 4, -1, desc_act=True, sym=False, gptq_v1_zeros=False)),
+    ({**GPTQ, "bits": 8}, "gptq", QuantSpec("gptq", 8, 128, desc_act=True, sym=False, gptq_v1_zeros=True)),
+    (AWQ, "awq", QuantSpec("awq", 4, 128, sym=False)),
+    (CT_W4A16, "compressed-tensors", QuantSpec("compressed-tensors", 4, 128, sym=True, ignore=("lm_head",))),
+])
+def test_the_checkpoint_selects_the_method(write_model_dir, qc, method, spec):
+    load = _load(write_model_dir(quantization_config=qc))
+    assert (load.quantization, load.quant_spec) == (method, spec)
+
+
+def test_a_quantize_config_json_beside_config_json_is_gptq(model_dir):
+    with open(f"{model_dir}/quantize_config.json", "w") as f:
+        json.dump({"bits": 4, "group_size": 64, "desc_act": False}, f)
+    load = _load(model_dir)
+    assert load.quantization == "gptq" and load.quant_spec.group_size == 64
+
+
+@pytest.mark.parametrize("flag", ["gptq", "gptq_marlin"])
+def test_a_matching_flag_is_accepted(write_model_dir, flag):
+    assert _load(write_model_dir(quantization_config=GPTQ), quantization=flag).quantization == "gptq"
+
+
+def test_weight_only_int8_is_int8(model_dir):
+    assert _load(model_dir, quantization="weight_only_int8").quantization == "int8"
+
+
+def test_short_flag():
+    from aserve.server.args import make_parser
+
+    assert make_parser().parse_args(["-q", "awq"]).quantization == "awq"
+
+
+@pytest.mark.parametrize("qc, flag, named", [
+    (AWQ, "gptq", ["'gptq'", "'awq'"]),  # flag vs checkpoint: both named
+    (GPTQ, "int4", ["'int4'", "'gptq'"]),
+    (None, "gptq", ["'gptq'", "no quantization_config"]),  # a float checkpoint
+])
+def test_a_mismatch_names_both(write_model_dir, qc, flag, named):
+    path = write_model_dir(**({"quantization_config": qc} if qc else {}))
+    with pytest.raises(ConfigError, match="^--quantization") as info:
+        _load(path, quantization=flag)
+    assert all(n in str(info.value) for n in named)
+
+
+@pytest.mark.parametrize("qc, named", [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({**GPTQ, "bits": 3}, "bits 3"),
+    ({**GPTQ, "bits": 2}, "bits 2"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, "'marlin'"),
+    ({**AWQ, "version": "gemv"}, "'gemv'"),
+    ({**AWQ, "version": "exllama"}, "'exllama'"),
+    ({**AWQ, "zero_point": False}, "zero_point"),
+    ({**CT_W4A16, "format": "int-quantized"}, "'int-quantized'"),
+    ({**CT_W4A16, "format": "float-quantized"}, "'float-quantized'"),
+    ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
+                                          "input_activations": {"num_bits": 8}}}}, "activation"),
+    ({"quant_method": "mystery"}, "'mystery'"),
+])
+def test_formats_not_built_are_refused_naming_them(write_model_dir, qc, named):
+    with pytest.raises(ConfigError, match="quantization_config") as info:
+        _load(write_model_dir(quantization_config=qc))
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(quantization="fp8"), dict(quantization="bitsandbytes"),
+                                    dict(quantization="gptq", device="cuda")])
+def test_flags_not_built_are_refused(model_dir, kwargs):
+    with pytest.raises(ConfigError, match="^--quantization"):
+        EngineArgs(model=model_dir, **{"device": "cpu", **kwargs}).create_config()
+
+
+def test_quantized_checkpoints_with_tensor_parallelism_are_refused(write_model_dir):
+    with pytest.raises(ConfigError, match="^--quantization.*tensor-parallel"):
+        _load(write_model_dir(quantization_config=GPTQ), tensor_parallel_size=2)

@@ -1,0 +1,115 @@
+"""Tensor parallelism end to end (`--tensor-parallel-size 2` over the `mp` executor: two worker
+processes meeting in a gloo group on this CPU): greedy tokens identical to one rank and to Hugging Face
+transformers (fp32, tiny random weights) through `LLM.generate`, under chunked prefill and preemption,
+for Llama (tied embeddings), Qwen2 (q/k/v biases, untied head), Gemma 2 with a single KV head (replicated
+on both ranks; soft-capped scores and logits, sliding windows), Qwen2-MoE (experts split, a shared
+expert, a dense layer) and GPT-2 with an odd vocabulary. Then the failure paths: a rank killed mid-stream fails the engine at once, and
+a start-up error on the ranks fails the start-up with that error; neither hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import anyio
+import pytest
+
+from aserve.config import EngineArgs
+from aserve.engine.async_engine import AsyncEngine, EngineDeadError
+from aserve.executor.base import ExecutorDeadError, make_executor
+from aserve.executor.process import ProcessExecutor
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
+from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
+
+MAX_NEW = 12
+# A 16-token step budget chunks every prompt but the shortest; 17 usable blocks of 8 tokens cannot hold
+# the batch, so the scheduler preempts.
+CHUNKED_AND_PREEMPTED = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8,
+                             num_gpu_blocks_override=18, block_size=8)
+
+FAMILIES = {
+    "gemma2-one-kv-head": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
+                                      "num_key_value_heads": 1}),
+    "qwen2-moe": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    # Conv1D checkpoints (fused q|k|v), biases everywhere, and an odd vocabulary (the last rank's share padded)
+    "gpt2-odd-vocab": ("gpt2", {"vocab_size": 501}),
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", *FAMILIES])
+def model(request, tmp_path_factory):
+    """(folder, HF's greedy tokens, one rank's greedy tokens)."""
+    if request.param in ("llama", "qwen2"):
+        path = request.getfixturevalue(f"tiny_{request.param}")
+    else:
+        name, overrides = FAMILIES[request.param]
+        path = str(tmp_path_factory.mktemp(request.param))
+        save_tiny_hf(path, name, seed=1234, perturb=True, **{**GREEDY_STABLE, **overrides})
+    one_rank = _generate(_llm(path, **CHUNKED_AND_PREEMPTED), PROMPTS)
+    return path, hf_greedy(path, PROMPTS, MAX_NEW, ignore_eos=True), one_rank
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_match_one_rank_and_hf(model, stat_totals):
+    path, reference, one_rank = model
+    llm = _llm(path, tensor_parallel_size=2, **CHUNKED_AND_PREEMPTED)
+    try:
+        assert llm.engine.config.parallel.distributed_executor_backend == "mp"
+        totals = stat_totals(llm)
+        got = _generate(llm, PROMPTS)
+        assert got == one_rank
+        assert got == reference
+        assert totals.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_stream_fails_the_engine(tiny_llama):
+    async def main():
+        executors: list = []
+
+        def factory(config):
+            executors.append(make_executor(config))
+            return executors[-1]
+
+        args = EngineArgs(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                          cpu_kvcache_space=0.02, tensor_parallel_size=2)
+        engine = AsyncEngine.from_engine_args(args, executor_factory=factory)
+        rank0, rank1 = executors[0].pids
+        with anyio.fail_after(60), pytest.RaisesGroup(ExecutorDeadError):
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.run)
+                params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, detokenize=False,
+                                        output_kind=RequestOutputKind.DELTA)
+                stream = engine.add_request("r", None, PROMPTS[0], params)
+                await stream.__anext__()
+                os.kill(rank1, signal.SIGKILL)
+                with pytest.raises(EngineDeadError):
+                    async for _ in stream:
+                        pass
+        assert isinstance(engine.dead_error, ExecutorDeadError) and "rank 1" in str(engine.dead_error)
+        assert not engine.is_healthy()
+        executors[0].shutdown()
+        with pytest.raises(ProcessLookupError):  # rank 0, left blocked in a collective, was stopped too
+            os.kill(rank0, 0)
+
+    anyio.run(main)
+
+
+@pytest.mark.timeout(120)
+def test_a_start_up_error_on_the_ranks_fails_the_start_up(tiny_llama, tmp_path):
+    """Three layers in config.json, two in the checkpoint: every rank fails loading; the error comes back."""
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    args = EngineArgs(model=str(folder), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+                      cpu_kvcache_space=0.01, tensor_parallel_size=2)
+    executor = ProcessExecutor(args.create_config())
+    with pytest.raises(ExecutorDeadError, match=r"(?s)tensor-parallel rank \d.*checkpoint is missing"):
+        executor.start()
+    executor.shutdown()

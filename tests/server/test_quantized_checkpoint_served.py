@@ -1,0 +1,32 @@
+"""A GPTQ checkpoint (act-order, written in-test: tests/model/quantization/_quantized_checkpoints.py)
+through the OpenAI server with the `openai` SDK: greedy completions of token-id prompts equal Hugging
+Face's on the checkpoint's dequantized fp32 copy."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.e2e.test_hf_equivalence import PROMPTS
+from tests.model.quantization._quantized_checkpoints import build
+from tests.server.real_tiny_server import serving
+from tests.server.server_harness import quiet_args
+from tests.support.tiny_models import hf_greedy
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_NEW = 8
+
+
+def test_gptq_checkpoint_served_greedy_matches_hf_on_its_dequantized_copy(tmp_path):
+    quant, deq = build(tmp_path, "gptq", group_size=64, desc_act=True, sym=False, v1=True, intermediate_size=96)
+    prompts = PROMPTS[:3]
+    reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
+    with serving(str(quant), quiet_args(), skip_tokenizer_init=True, max_model_len=128, dtype="float32") as (
+            _, address):
+        client = openai.OpenAI(base_url=f"{address.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=str(quant), prompt=prompts, max_tokens=MAX_NEW, temperature=0,
+                                        logprobs=0, extra_body={"ignore_eos": True})
+    choices = sorted(out.choices, key=lambda c: c.index)
+    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in choices]
+    assert got == reference
