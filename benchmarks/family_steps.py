@@ -12,10 +12,10 @@ family that falls off the fast CPU path shows at once.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
 from pathlib import Path
+
+from _decode_steps import decode_step_ms
 
 SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
          "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 2048,
@@ -39,34 +39,6 @@ FAMILIES = {
 }
 
 
-class DecodeSteps:
-    """A stat logger keeping the time of every step that produced tokens but computed no prompt."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def record(self, scheduler_stats, iteration_stats) -> None:
-        if iteration_stats.num_generation_tokens and not iteration_stats.num_prompt_tokens:
-            self.times.append(iteration_stats.step_time)
-
-
-def run(family: str, batch: int, dtype: str, folder: Path) -> float:
-    from aserve import LLM, SamplingParams
-
-    (folder / "config.json").write_text(json.dumps({**SHAPE, **FAMILIES[family]}))
-    llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
-              enable_prefix_caching=False)
-    steps = DecodeSteps()
-    llm.engine.stat_loggers.append(steps)
-    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 1000 for j in range(32)]} for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
-    steps.times.clear()
-    llm.generate(prompts, params, use_tqdm=False)
-    llm.engine.shutdown()
-    return statistics.median(steps.times) * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default=",".join(FAMILIES))
@@ -80,7 +52,7 @@ def main() -> None:
         row = []
         for batch in batches:
             with tempfile.TemporaryDirectory() as tmp:
-                row.append(f"{run(family, batch, args.dtype, Path(tmp)):.1f}")
+                row.append(f"{decode_step_ms({**SHAPE, **FAMILIES[family]}, batch, args.dtype, Path(tmp)):.1f}")
         print(f"| {family} | " + " | ".join(row) + " |", flush=True)
 
 

@@ -15,10 +15,10 @@ that only decoded is printed per model and batch size.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
 from pathlib import Path
+
+from _decode_steps import decode_step_ms
 
 ATTENTION = {"vocab_size": 49152, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
@@ -42,34 +42,6 @@ def configs(args: argparse.Namespace) -> dict[str, dict]:
                 {**base, **moe}}
 
 
-class DecodeSteps:
-    """A stat logger keeping the time of every step that produced tokens but computed no prompt."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def record(self, scheduler_stats, iteration_stats) -> None:
-        if iteration_stats.num_generation_tokens and not iteration_stats.num_prompt_tokens:
-            self.times.append(iteration_stats.step_time)
-
-
-def run(config: dict, batch: int, dtype: str, folder: Path) -> float:
-    from aserve import LLM, SamplingParams
-
-    (folder / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
-              enable_prefix_caching=False)
-    steps = DecodeSteps()
-    llm.engine.stat_loggers.append(steps)
-    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 1000 for j in range(32)]} for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
-    steps.times.clear()
-    llm.generate(prompts, params, use_tqdm=False)
-    llm.engine.shutdown()
-    return statistics.median(steps.times) * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,16")
@@ -88,7 +60,7 @@ def main() -> None:
         row = []
         for batch in batches:
             with tempfile.TemporaryDirectory() as tmp:
-                row.append(f"{run(config, batch, args.dtype, Path(tmp)):.1f}")
+                row.append(f"{decode_step_ms(config, batch, args.dtype, Path(tmp)):.1f}")
         print(f"| {name} | " + " | ".join(row) + " |", flush=True)
 
 
