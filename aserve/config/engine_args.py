@@ -123,7 +123,11 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """Build from keyword arguments; ConfigError naming any that are not engine arguments."""
+        """Build from keyword arguments; ConfigError naming any that are not engine arguments. vLLM's
+        deprecated aliases are mapped and its unimplemented names refused (aserve/config/vllm_compat.py)."""
+        from aserve.config.vllm_compat import apply_compat  # noqa: PLC0415
+
+        kwargs = apply_compat(kwargs)
         unknown = set(kwargs) - cls.field_names()
         if unknown:
             raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
+from aserve.config.vllm_compat import add_compat_arguments, apply_compat
 from aserve.server.reasoning import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
 
@@ -308,6 +309,7 @@ def make_parser(serve_command: bool = False) -> argparse.ArgumentParser:
     add_engine_arguments(parser)
     add_server_arguments(parser)
     add_tool_and_reasoning_arguments(parser)
+    add_compat_arguments(parser)  # vLLM names aserve aliases or refuses (aserve/config/vllm_compat.py)
     return parser
 
 
@@ -316,7 +318,7 @@ def split_namespace(
 ) -> tuple[EngineArgs, ServerArgs]:
     """Split parsed flags into `EngineArgs` and `ServerArgs` (the API key may come from the environment)."""
     environ = os.environ if environ is None else environ
-    values = dict(vars(ns))
+    values = apply_compat(dict(vars(ns)), server=True)  # aliases set their targets; refusals raise
     model_tag = values.pop("model_tag", None)
     if model_tag is not None:  # `aserve serve MODEL`
         if values.get("model") not in ("", model_tag):

@@ -1,0 +1,233 @@
+"""vLLM argument names aserve does not implement as `EngineArgs` fields: deprecated aliases and no-ops
+(accepted with a one-line deprecation warning naming the replacement), and names refused at start-up
+with the reason (never "unrecognized arguments" / "unknown engine argument").
+
+One table, `COMPAT_ARGS`, drives both the CLI (`add_compat_arguments`, each name a flag) and
+`EngineArgs.from_kwargs` / `LLM(...)` (`apply_compat`). A refused name given with its default value is
+accepted silently: only a value that would change behaviour is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aserve.config.errors import ConfigError, flag_name
+
+logger = logging.getLogger("aserve.config")
+
+_TEXT_ONLY = "aserve serves text-only models (multimodal inputs are not implemented)"
+_PROMPT_ADAPTER = "prompt adapters were removed from vLLM (0.8) and are not implemented by aserve"
+_LORA = "LoRA adapters are not implemented yet (issue 21, LoRA)"
+_SPEC = "speculative decoding is not implemented yet (issue 22, speculative decoding)"
+_QUANT = "not implemented yet (issue 20, quantization)"
+_POOLING = "pooling / embedding models are not implemented yet (issue 23, pooling and --task)"
+_RAY = "Ray is not implemented (aserve's executors are 'uni' and 'mp')"
+
+
+@dataclass(frozen=True)
+class CompatArg:
+    """kind: 'alias' (value goes to `target`), 'noop' (deprecated, does nothing), 'refused' (any value
+    but `default` / `accepted` is a ConfigError with `reason`). type: bool | bool_opt | int | float |
+    str | json | list (argparse mapping). server: a server flag, not an engine keyword."""
+
+    kind: str
+    type: str
+    default: Any = None
+    reason: str = ""
+    target: str | None = None  # alias: the EngineArgs / server field it sets
+    target_value: Any = None  # alias of a flag: the value it sets (None: the flag's own value)
+    accepted: tuple[Any, ...] = ()  # refused: other values that mean aserve's behaviour
+    server: bool = False
+
+
+def _refused(tp: str, default: Any, reason: str, **kw: Any) -> CompatArg:
+    return CompatArg("refused", tp, default, reason, **kw)
+
+
+def _todo(tp: str, default: Any, what: str, **kw: Any) -> CompatArg:
+    return CompatArg("refused", tp, default, f"not implemented yet ({what})", **kw)
+
+
+COMPAT_ARGS: dict[str, CompatArg] = {
+    # -- vLLM's own deprecated aliases and no-ops ---------------------------------------------------
+    "use_v2_block_manager": CompatArg("noop", "bool", False, "deprecated no-op in vLLM: aserve's paged KV cache "
+                                      "is the only block manager; drop the flag"),
+    "max_paddings": CompatArg("noop", "int", None, "deprecated no-op in vLLM (padding is not configurable); "
+                              "drop the flag"),
+    "disable_custom_all_reduce": CompatArg("noop", "bool", False, "no-op: aserve has no custom all-reduce "
+                                           "(tensor parallelism uses torch.distributed's all-reduce)"),
+    "show_hidden_metrics_for_version": CompatArg("noop", "str", None, "no-op: aserve hides no deprecated metrics"),
+    "max_context_len_to_capture": CompatArg("alias", "int", None, "deprecated: use --max-seq-len-to-capture",
+                                            target="max_seq_len_to_capture"),
+    "forced_num_gpu_blocks": CompatArg("alias", "int", None, "deprecated: use --num-gpu-blocks-override",
+                                       target="num_gpu_blocks_override"),
+    "worker_use_ray": CompatArg("alias", "bool", False, "deprecated: use --distributed-executor-backend ray",
+                                target="distributed_executor_backend", target_value="ray"),
+    # -- vLLM's newer spellings ---------------------------------------------------------------------
+    "enable_log_requests": CompatArg("alias", "bool", False, "", target="disable_log_requests",
+                                     target_value=False, server=True),
+    "runner": _refused("str", "auto", "aserve runs generative models only; --runner pooling is issue 23 (pooling), "
+                       "--runner draft is issue 22 (speculative decoding)", accepted=("generate",)),
+    "kv_cache_memory_bytes": _todo("int", None, "a KV cache of exactly this many bytes; use "
+                                   "--num-gpu-blocks-override, or --cpu-kvcache-space on CPU"),
+    "chat_template_content_format": _todo("str", "auto", "forcing 'string' or 'openai' message content; aserve "
+                                          "detects the format from the chat template", server=True),
+    # -- refused: multimodal ------------------------------------------------------------------------
+    **{name: _refused(tp, default, _TEXT_ONLY) for name, tp, default in (
+        ("image_input_type", "str", None), ("image_token_id", "int", None), ("image_input_shape", "str", None),
+        ("image_feature_size", "int", None), ("image_processor", "str", None),
+        ("image_processor_revision", "str", None), ("disable_image_processor", "bool", False),
+        ("limit_mm_per_prompt", "json", None), ("mm_processor_kwargs", "json", None),
+        ("disable_mm_preprocessor_cache", "bool", False), ("allowed_local_media_path", "str", ""))},
+    # -- refused: prompt adapters -------------------------------------------------------------------
+    "enable_prompt_adapter": _refused("bool", False, _PROMPT_ADAPTER),
+    "max_prompt_adapters": _refused("int", 1, _PROMPT_ADAPTER),
+    "max_prompt_adapter_token": _refused("int", 0, _PROMPT_ADAPTER),
+    # -- refused: other vLLM machinery aserve does not have -----------------------------------------
+    "kv_transfer_config": _refused("json", None, "disaggregated prefill (KV transfer between instances) is not "
+                                   "implemented"),
+    "worker_cls": _refused("str", "auto", "custom worker classes are not supported: aserve's workers are its own",
+                           accepted=("",)),
+    "worker_extension_cls": _refused("str", "", "worker extension classes are not supported"),
+    "override_neuron_config": _refused("json", None, "AWS Neuron devices are not supported (devices: cpu, cuda)"),
+    "additional_config": _refused("json", None, "platform plugins' additional config is not supported"),
+    "ray_workers_use_nsight": _refused("bool", False, _RAY),
+    "engine_use_ray": _refused("bool", False, f"removed from vLLM; {_RAY}"),
+    "enable_expert_parallel": _refused("bool", False, "expert parallelism is not implemented (no MoE models yet)"),
+    "tokenizer_extension_path": _refused("str", None, "a vendor (AIAK) extension: custom vllm_extension.py "
+                                         "tokenizers are not supported"),
+    "multi_query_mode": _refused("bool", False, "an option of AIAK's offline quantization tool, not of a server"),
+    "max_parallel_loading_workers": _todo("int", None, "loading weights in sequential batches of workers; "
+                                          "each aserve worker loads its own shard"),
+    # -- issue 25's "Implement" list, not implemented yet -------------------------------------------
+    "scheduler_delay_factor": _todo("float", 0.0, "delay the next prefill by factor x the last prompt latency"),
+    "max_num_partial_prefills": _todo("int", 1, "several partial prefills sharing a step's chunk budget"),
+    "max_long_partial_prefills": _todo("int", 1, "how many long prompts may prefill concurrently"),
+    "long_prefill_token_threshold": _todo("int", 0, "the prompt length above which a prefill counts as long"),
+    "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
+    "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
+    "num_lookahead_slots": _todo("int", 0, "KV slots reserved past the known tokens, for speculative decoding"),
+    "scheduler_cls": _todo("str", None, "a custom Scheduler subclass by dotted path",
+                           accepted=("vllm.core.scheduler.Scheduler",)),
+    "tokenizer_pool_size": _todo("int", 0, "tokenizing in a pool of workers"),
+    "tokenizer_pool_type": _todo("str", "ray", "the tokenizer pool's kind"),
+    "tokenizer_pool_extra_config": _todo("json", None, "the tokenizer pool's extra config"),
+    "model_loader_extra_config": _todo("json", None, "extra options of the model loader"),
+    "code_revision": _todo("str", None, "the Hub revision of a model's remote code; aserve runs no remote code"),
+    "hf_config_path": _todo("str", None, "reading config.json from another folder than the model's"),
+    "config_format": _refused("str", "auto", "only Hugging Face's config.json is read ('auto' or 'hf'); the "
+                              "'mistral' params.json format is not implemented", accepted=("hf",)),
+    "ignore_patterns": _todo("list", None, "weight-file patterns to skip when downloading"),
+    "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
+    "override_generation_config": _todo("json", None, "JSON merged over generation_config.json's sampling defaults"),
+    "logits_processor_pattern": _todo("str", None, "naming logits processors by qualified name in requests"),
+    "middleware": _todo("list", None, "ASGI middleware by dotted path", server=True),
+    # -- owned by other issues ----------------------------------------------------------------------
+    **{name: _refused(tp, default, _LORA) for name, tp, default in (
+        ("enable_lora", "bool", False), ("enable_lora_bias", "bool", False), ("max_loras", "int", 1),
+        ("max_lora_rank", "int", 16), ("fully_sharded_loras", "bool", False), ("max_cpu_loras", "int", None),
+        ("lora_dtype", "str", "auto"), ("lora_extra_vocab_size", "int", 256),
+        ("long_lora_scaling_factors", "str", None), ("qlora_adapter_name_or_path", "str", None))},
+    "lora_modules": _refused("list", None, _LORA, server=True),
+    **{name: _refused(tp, default, _SPEC) for name, tp, default in (
+        ("speculative_model", "str", None), ("speculative_model_quantization", "str", None),
+        ("num_speculative_tokens", "int", None), ("speculative_draft_tensor_parallel_size", "int", None),
+        ("speculative_max_model_len", "int", None), ("speculative_disable_by_batch_size", "int", None),
+        ("ngram_prompt_lookup_max", "int", None), ("ngram_prompt_lookup_min", "int", None),
+        ("spec_decoding_acceptance_method", "str", "rejection_sampler"),
+        ("typical_acceptance_sampler_posterior_threshold", "float", None),
+        ("typical_acceptance_sampler_posterior_alpha", "float", None),
+        ("disable_logprobs_during_spec_decoding", "bool_opt", None),
+        ("speculative_disable_mqa_scorer", "bool", False), ("speculative_config", "json", None))},
+    "quantization_param_path": _refused("str", None, f"fp8 KV-cache scaling factors from a file: {_QUANT}"),
+    "calculate_kv_scales": _refused("bool", False, f"computing fp8 KV-cache scales at run time: {_QUANT}"),
+    "task": _refused("str", "auto", _POOLING, accepted=("generate",)),
+    "override_pooler_config": _refused("json", None, _POOLING),
+    "enable_sleep_mode": _refused("bool", False, "sleep mode is not implemented yet (issue 24, sleep mode)"),
+    "otlp_traces_endpoint": _refused("str", None, "OpenTelemetry tracing is not implemented yet (issue 24, tracing)"),
+    "collect_detailed_traces": _refused("str", None, "OpenTelemetry tracing is not implemented yet "
+                                        "(issue 24, tracing)"),
+}
+
+
+def _json(flag: str):
+    def parse(text: str) -> Any:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({exc})") from None
+
+    parse.__name__ = "JSON"
+    return parse
+
+
+def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `COMPAT_ARGS` name; `apply_compat` then aliases, warns or refuses."""
+    group = parser.add_argument_group("vLLM flags that aserve aliases or refuses (see the README)")
+    for name, arg in COMPAT_ARGS.items():
+        flag = flag_name(name)
+        if arg.kind == "alias" and arg.reason:
+            help_text = arg.reason
+        elif arg.kind == "alias":
+            help_text = f"vLLM's newer spelling: sets {flag_name(arg.target or '')} to {arg.target_value!r}"
+        elif arg.kind == "noop":
+            help_text = f"deprecated: {arg.reason}"
+        else:
+            help_text = f"refused: {arg.reason}" if arg.reason else "accepted (aserve shows no loading bar)"
+        kwargs: dict[str, Any] = {"dest": name, "default": arg.default, "help": help_text}
+        if arg.type == "bool":
+            kwargs["action"] = "store_true"
+        elif arg.type == "bool_opt":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif arg.type == "json":
+            kwargs["type"] = _json(flag)
+        elif arg.type == "list":
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = {"int": int, "float": float, "str": str}[arg.type]
+        group.add_argument(flag, **kwargs)
+
+
+def apply_compat(values: dict[str, Any], server: bool = False) -> dict[str, Any]:
+    """Removes the `COMPAT_ARGS` names from `values` (engine keywords, or with `server` every parsed
+    flag); a deprecated one logs one warning naming its replacement, an alias sets its target, a
+    refused one with a value other than its default raises ConfigError naming the flag and the reason.
+    Server-only names are left alone unless `server` (so `LLM(middleware=...)` stays unknown)."""
+    out = dict(values)
+    for name, arg in COMPAT_ARGS.items():
+        if name not in out or (arg.server and not server):
+            continue
+        value = out.pop(name)
+        if value == arg.default or (value in (None, [], ()) and arg.default in (None, "")):
+            continue
+        flag = flag_name(name)
+        if arg.kind == "noop":
+            logger.warning("%s is deprecated and does nothing: %s", flag, arg.reason)
+        elif arg.kind == "alias":
+            target = arg.target or ""
+            new = value if arg.target_value is None else arg.target_value
+            if arg.reason:
+                logger.warning("%s is deprecated: use %s (%s %r)", flag, flag_name(target), flag_name(target), new)
+            if target in values and values[target] not in (new, _default_of(target)):
+                raise ConfigError(f"{flag}: contradicts {flag_name(target)}={values[target]!r}; give one")
+            out[target] = new
+        elif value not in arg.accepted:
+            raise ConfigError(f"{flag}: {arg.reason} (got {value!r}; only the default {arg.default!r} is accepted)")
+    return out
+
+
+def _default_of(field: str) -> Any:
+    import dataclasses
+
+    from aserve.config.engine_args import EngineArgs  # noqa: PLC0415 (engine_args imports this module)
+
+    if field == "disable_log_requests":  # a server flag (aserve.server.args.ServerArgs)
+        return False
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == field:
+            return f.default
+    return None
