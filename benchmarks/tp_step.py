@@ -25,22 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from _decode_steps import DecodeSteps
+
 SHAPE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
          "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
          "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
          "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
 PROMPT_LEN, NUM_STEPS = 32, 64
-
-
-class DecodeSteps:
-    """A stat logger keeping the time of every step that produced tokens but computed no prompt."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def record(self, scheduler_stats, iteration_stats) -> None:
-        if iteration_stats.num_generation_tokens and not iteration_stats.num_prompt_tokens:
-            self.times.append(iteration_stats.step_time)
 
 
 def engine_steps(folder: Path, tp: int, batches: list[int], dtype: str) -> dict[int, float]:
@@ -82,12 +73,11 @@ def _rank_steps(rank: int, port: int, folder: str, dtype: str, batches: list[int
     functions the layer modules call; nothing in aserve is instrumented)."""
     import torch
 
-    import aserve.model.layers.embedding as embedding
-    import aserve.model.layers.linear as linear
     from aserve.config import EngineArgs
     from aserve.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
     from aserve.distributed.context import init_distributed, shutdown_distributed
     from aserve.distributed.rendezvous import Rendezvous
+    from aserve.model.layers import embedding, linear
     from aserve.runner.model_runner import ModelRunner
     from aserve.sampling_params import SamplingParams
 

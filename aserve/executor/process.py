@@ -20,6 +20,7 @@ import os
 import pickle
 import traceback
 from multiprocessing.connection import wait
+from typing import NoReturn
 
 import msgspec
 
@@ -155,7 +156,7 @@ class ProcessExecutor:
         proc.join(timeout=2)
         return proc.exitcode
 
-    def _fail(self, message: str, cause: BaseException | None = None):
+    def _fail(self, message: str, cause: BaseException | None = None) -> NoReturn:
         """Dead for good: record why, stop every other worker (they may be blocked in a collective
         waiting for the one that failed), raise ExecutorDeadError."""
         self._dead = message

@@ -15,8 +15,8 @@ from torch import nn
 
 from aserve.distributed.collectives import all_gather_last_dim, all_reduce
 from aserve.distributed.context import ParallelContext
-from aserve.model.layers.linear import _copy_checked
 from aserve.kernels.cpu_ops import CpuKernels
+from aserve.model.layers.linear import _copy_checked
 from aserve.model.quantization.cpu_kernel import kernel_rows
 from aserve.model.quantization.cpu_packed import pack_weight, packed_linear
 
