@@ -51,10 +51,11 @@ def cache_root() -> str:
 
 
 def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None,
-                  load_format: str = "auto") -> str:
+                  load_format: str = "auto", ignore_patterns: tuple[str, ...] = ()) -> str:
     """Return a local folder holding config.json, tokenizer files and (unless dummy) weights.
 
-    `revision` and `download_dir` apply to Hub repos only. Raises ModelSourceError.
+    `revision`, `download_dir` and `ignore_patterns` (files not downloaded, --ignore-patterns) apply to
+    Hub repos only. Raises ModelSourceError.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelSourceError(f"--load-format: must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -73,7 +74,7 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
         raise ModelSourceError(f"--model {model!r}: no such file or folder")
     if load_format == "gguf":
         raise ModelSourceError(f"--load-format gguf: --model must be a .gguf file (got hub id {model!r})")
-    return _download_from_hub(model, revision, download_dir, load_format)
+    return _download_from_hub(model, revision, download_dir, load_format, ignore_patterns)
 
 
 def bundled_gguf_path() -> str:
@@ -196,7 +197,8 @@ def _resolve_local_folder(model: str, path: str, load_format: str) -> str:
     raise ModelSourceError(f"--model {model!r}: the folder has no config.json (not a Hugging Face model folder)")
 
 
-def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | None, load_format: str) -> str:
+def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | None, load_format: str,
+                       ignore_patterns: tuple[str, ...] = ()) -> str:
     """snapshot_download config/tokenizer files plus the weights `load_format` needs."""
     if load_format == "dummy":
         weight_patterns: list[list[str]] = [[]]
@@ -208,7 +210,7 @@ def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | N
         weight_patterns = [["*.safetensors"], ["*.bin", "*.pt"]]
     folder = ""
     for patterns in weight_patterns:
-        folder = _snapshot(repo_id, revision, download_dir, _HUB_METADATA_PATTERNS + patterns)
+        folder = _snapshot(repo_id, revision, download_dir, _HUB_METADATA_PATTERNS + patterns, ignore_patterns)
         if not patterns or any(glob.glob(os.path.join(folder, p)) for p in patterns):
             break
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -216,11 +218,13 @@ def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | N
     return folder
 
 
-def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, patterns: list[str]) -> str:
+def _snapshot(repo_id: str, revision: str | None, download_dir: str | None, patterns: list[str],
+              ignore_patterns: tuple[str, ...] = ()) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return str(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns))
+        return str(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns,
+                                     ignore_patterns=list(ignore_patterns) or None))
     except Exception as e:  # noqa: BLE001 (every hub failure becomes one clear message)
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         hint = (" HF_HUB_OFFLINE is set and the model is not in the local cache."

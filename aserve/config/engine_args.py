@@ -42,6 +42,11 @@ _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
 _TOKENIZER_MODES = ("auto", "slow")
 _GENERATION_CONFIG = ("auto", "vllm")
+_CONFIG_FORMATS = ("auto", "hf")
+# generation_config.json key -> SamplingParams field (vLLM's --generation-config auto and
+# --override-generation-config)
+SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # `gguf` is vLLM's name; `int4` / `int8` (weight-only, quantized at load) are aserve extensions; gptq / awq /
 # compressed-tensors read a quantized checkpoint (aserve/config/quantization.py, which also holds the aliases).
 QUANTIZATION_METHODS = ("gguf", "int4", "int8", *CHECKPOINT_METHODS, *METHOD_ALIASES)
@@ -116,6 +121,16 @@ class EngineArgs:
     guided_decoding_backend: str = "auto"
     # vLLM's newer spelling: {"backend": "xgrammar", ...}; its backend wins over guided_decoding_backend.
     structured_outputs_config: dict[str, Any] | None = None
+    # generation_config.json keys (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)
+    # over the sampling defaults --generation-config gives (vLLM's --override-generation-config)
+    override_generation_config: dict[str, Any] | None = None
+    hf_config_path: str | None = None  # a folder whose config.json is read instead of the model's
+    config_format: str = "auto"  # auto = hf: aserve reads Hugging Face config.json only
+    # weight files to skip (fnmatch globs on the path inside the model folder; also not downloaded)
+    ignore_patterns: str | list[str] = "original/**/*"
+    # the Hub revision of a model's remote code: aserve runs no remote code (refused with --trust-remote-code)
+    code_revision: str | None = None
+    kv_cache_memory_bytes: int | None = None  # the KV cache's size in bytes (beats the fraction-based sizing)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -187,6 +202,8 @@ class EngineArgs:
         require(self.cpu_kvcache_space is None or self.cpu_kvcache_space > 0, "cpu_kvcache_space",
                 f"must be > 0 GiB, got {self.cpu_kvcache_space}")
         require(self.rope_theta is None or self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes",
+                f"must be >= 1 byte, got {self.kv_cache_memory_bytes}")
 
     def _reject_unimplemented_parallelism(self) -> None:
         """Tensor parallelism runs over `mp` (one worker process per rank); the rest of scale-out is
@@ -243,6 +260,35 @@ class EngineArgs:
             require(self.device != "cuda", "quantization", f"{self.quantization!r} is implemented for CPU only")
         require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
         require(self.tokenizer_mode != "slow", "tokenizer_mode", "'slow' tokenizers are not implemented; use 'auto'")
+        require(self.config_format in _CONFIG_FORMATS, "config_format",
+                f"must be 'auto' or 'hf' (aserve reads Hugging Face's config.json only; the 'mistral' params.json "
+                f"format is not implemented), got {self.config_format!r}")
+        require(self.code_revision is None or not self.trust_remote_code, "code_revision",
+                f"{self.code_revision!r} with --trust-remote-code: aserve loads local folders and runs no "
+                "remote code from another Hub revision, so a code revision would be ignored; drop --code-revision "
+                "(or pin the model with --revision)")
+        self.sampling_overrides()
+        if self.hf_config_path is not None:
+            require(os.path.isfile(os.path.join(os.path.expanduser(self.hf_config_path), "config.json")),
+                    "hf_config_path", f"no config.json in {self.hf_config_path!r}")
+        patterns = self.resolved_ignore_patterns()
+        require(all(p for p in patterns), "ignore_patterns", f"empty pattern in {self.ignore_patterns!r}")
+
+    def resolved_ignore_patterns(self) -> tuple[str, ...]:
+        """--ignore-patterns as a tuple (vLLM accepts one string or a list)."""
+        value = self.ignore_patterns
+        return (value,) if isinstance(value, str) else tuple(value)
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """--override-generation-config as SamplingParams fields; ConfigError naming the flag for an
+        unknown key (the values are checked against SamplingParams by the engine builder, since the
+        config package does not import the sampling layer)."""
+        given = self.override_generation_config or {}
+        unknown = set(given) - set(SAMPLING_DEFAULT_KEYS)
+        require(not unknown, "override_generation_config",
+                f"unknown key(s) {sorted(unknown)}; known (generation_config.json's names): "
+                f"{sorted(SAMPLING_DEFAULT_KEYS)}")
+        return {SAMPLING_DEFAULT_KEYS[k]: v for k, v in given.items() if v is not None}
 
 
     def resolved_guided_decoding_backend(self) -> str:

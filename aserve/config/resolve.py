@@ -56,7 +56,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     """The frozen config for already-validated `args`; `model_path` (default `args.model`) is the
     local folder holding config.json. Raises ConfigError naming the flag or the config.json key."""
     path = model_path or args.model
-    hf_cfg = read_hf_config(path)
+    config_folder = os.path.expanduser(args.hf_config_path) if args.hf_config_path else None
+    hf_cfg = read_hf_config(config_folder or path)
     overrides = dict(args.hf_overrides or {})
     if args.rope_theta is not None:
         overrides["rope_theta"] = args.rope_theta
@@ -112,6 +113,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         skip_tokenizer_init=args.skip_tokenizer_init,
         model_impl=model_impl,
         hf_overrides=overrides or None,
+        override_generation_config=dict(args.override_generation_config or {}) or None,
+        hf_config_path=config_folder,
     )
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     if model_impl == "transformers":
@@ -128,6 +131,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             cpu_kvcache_space_gb=cpu_space,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_batched,
@@ -137,7 +141,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             preemption_mode=args.preemption_mode or "recompute",
             policy=args.scheduling_policy,
         ),
-        load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec),
+        load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec,
+                        ignore_patterns=args.resolved_ignore_patterns()),
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(
             distributed_executor_backend=args.distributed_executor_backend or (

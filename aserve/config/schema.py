@@ -37,6 +37,9 @@ class ModelConfig:
     # config.json keys the user overrode (--hf-overrides, --rope-theta, --rope-scaling); the Transformers
     # backend sets them on transformers' config object (ArchConfig already has them merged)
     hf_overrides: dict[str, Any] | None = None
+    # --override-generation-config: generation_config.json keys over the sampling defaults
+    override_generation_config: dict[str, Any] | None = None
+    hf_config_path: str | None = None  # the folder config.json was read from (--hf-config-path; None: model_path)
 
     @property
     def served_model_name(self) -> str:
@@ -53,6 +56,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     cpu_kvcache_space_gb: float = 4.0  # the KV budget on CPU devices (vLLM: VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_memory_bytes: int | None = None  # the KV budget on any device (beats the two above)
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class LoadConfig:
     load_format: str = "auto"
     quantization: str | None = None  # None | "gguf" | "int4" | "int8" | "gptq" | "awq" | "compressed-tensors"
     quant_spec: QuantSpec | None = None  # the checkpoint format's parameters (aserve/config/quantization.py)
+    ignore_patterns: tuple[str, ...] = ("original/**/*",)  # weight files not loaded (fnmatch, folder-relative)
 
 
 @dataclass(frozen=True)

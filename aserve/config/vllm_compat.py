@@ -72,10 +72,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
                                      target_value=False, server=True),
     "runner": _refused("str", "auto", "aserve runs generative models only; --runner pooling is issue 23 (pooling), "
                        "--runner draft is issue 22 (speculative decoding)", accepted=("generate",)),
-    "kv_cache_memory_bytes": _todo("int", None, "a KV cache of exactly this many bytes; use "
-                                   "--num-gpu-blocks-override, or --cpu-kvcache-space on CPU"),
-    "chat_template_content_format": _todo("str", "auto", "forcing 'string' or 'openai' message content; aserve "
-                                          "detects the format from the chat template", server=True),
     # -- refused: multimodal ------------------------------------------------------------------------
     **{name: _refused(tp, default, _TEXT_ONLY) for name, tp, default in (
         ("image_input_type", "str", None), ("image_token_id", "int", None), ("image_input_shape", "str", None),
@@ -97,7 +93,7 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "additional_config": _refused("json", None, "platform plugins' additional config is not supported"),
     "ray_workers_use_nsight": _refused("bool", False, _RAY),
     "engine_use_ray": _refused("bool", False, f"removed from vLLM; {_RAY}"),
-    "enable_expert_parallel": _refused("bool", False, "expert parallelism is not implemented (no MoE models yet)"),
+    "enable_expert_parallel": _refused("bool", False, "expert parallelism is not implemented (MoE experts are split by --tensor-parallel-size instead)"),
     "tokenizer_extension_path": _refused("str", None, "a vendor (AIAK) extension: custom vllm_extension.py "
                                          "tokenizers are not supported"),
     "multi_query_mode": _refused("bool", False, "an option of AIAK's offline quantization tool, not of a server"),
@@ -117,13 +113,7 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "tokenizer_pool_type": _todo("str", "ray", "the tokenizer pool's kind"),
     "tokenizer_pool_extra_config": _todo("json", None, "the tokenizer pool's extra config"),
     "model_loader_extra_config": _todo("json", None, "extra options of the model loader"),
-    "code_revision": _todo("str", None, "the Hub revision of a model's remote code; aserve runs no remote code"),
-    "hf_config_path": _todo("str", None, "reading config.json from another folder than the model's"),
-    "config_format": _refused("str", "auto", "only Hugging Face's config.json is read ('auto' or 'hf'); the "
-                              "'mistral' params.json format is not implemented", accepted=("hf",)),
-    "ignore_patterns": _todo("list", None, "weight-file patterns to skip when downloading"),
     "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
-    "override_generation_config": _todo("json", None, "JSON merged over generation_config.json's sampling defaults"),
     "logits_processor_pattern": _todo("str", None, "naming logits processors by qualified name in requests"),
     "middleware": _todo("list", None, "ASGI middleware by dotted path", server=True),
     # -- owned by other issues ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aserve.config import AserveConfig, ConfigError, EngineArgs
+from aserve.config.engine_args import SAMPLING_DEFAULT_KEYS
 from aserve.engine.engine_core import EngineCore
 from aserve.executor.base import Executor, cuda_available, make_executor
 
@@ -24,8 +25,7 @@ logger = logging.getLogger(__name__)
 ExecutorFactory = Callable[[AserveConfig], Executor]
 
 # generation_config.json key -> SamplingParams field (vLLM's --generation-config auto).
-_SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_SAMPLING_DEFAULT_KEYS = SAMPLING_DEFAULT_KEYS
 
 
 @dataclass
@@ -76,12 +76,25 @@ def read_generation_config(folder: str | Path) -> dict:
 
 
 def generation_defaults(config: AserveConfig, model_generation_config: dict) -> dict:
-    """Sampling defaults per --generation-config: `auto` = the model's file, `vllm` = none, else a folder."""
+    """Sampling defaults per --generation-config: `auto` = the model's file, `vllm` = none, else a folder;
+    then --override-generation-config's keys over them (as vLLM: with `vllm` too)."""
     source = config.model.generation_config
     if source == "vllm":
-        return {}
-    data = model_generation_config if source == "auto" else read_generation_config(source)
-    return {ours: data[theirs] for theirs, ours in _SAMPLING_DEFAULT_KEYS.items() if theirs in data}
+        data = {}
+    else:
+        data = model_generation_config if source == "auto" else read_generation_config(source)
+    data = {**data, **(config.model.override_generation_config or {})}
+    return {ours: data[theirs] for theirs, ours in _SAMPLING_DEFAULT_KEYS.items() if data.get(theirs) is not None}
+
+
+def check_sampling_overrides(args: EngineArgs) -> None:
+    """ConfigError naming --override-generation-config when a value is one SamplingParams refuses."""
+    from aserve.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**args.sampling_overrides())
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"--override-generation-config: {exc}") from None
 
 
 def eos_token_ids(config: AserveConfig, model_generation_config: dict, tokenizer) -> tuple[int, ...]:
@@ -102,8 +115,10 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
     from aserve.model_source import resolve_model
 
     args.validate()  # before any model work: a bad flag is reported at once
+    check_sampling_overrides(args)
     start = time.perf_counter()
-    model_path = resolve_model(args.model, args.revision, args.download_dir, args.load_format)
+    model_path = resolve_model(args.model, args.revision, args.download_dir, args.load_format,
+                               ignore_patterns=args.resolved_ignore_patterns())
     tokenizer_path = args.tokenizer
     if tokenizer_path is not None and not Path(tokenizer_path).exists():
         tokenizer_path = resolve_model(tokenizer_path, args.tokenizer_revision, args.download_dir, "auto")
@@ -126,7 +141,7 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
         raise ConfigError(
             f"--max-model-len: {config.model.max_model_len} tokens do not fit in the KV cache ({tokens} tokens in "
             f"{info.num_blocks - 1} blocks); lower --max-model-len or give the cache more room "
-            "(--cpu-kvcache-space, --gpu-memory-utilization, --num-gpu-blocks-override)")
+            "(--cpu-kvcache-space, --gpu-memory-utilization, --kv-cache-memory-bytes, --num-gpu-blocks-override)")
     core = EngineCore(config, executor, info)
     logger.info("Engine ready in %.1fs: %s on %s (%s attention, %s executor); %d KV blocks x %d tokens = %d tokens "
                 "(%.1fx max_model_len)", time.perf_counter() - start, config.model.served_model_name,

@@ -8,6 +8,7 @@ from); `int4` / `int8` quantize a float checkpoint after loading it.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import logging
@@ -96,7 +97,8 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
         if load_format == "dummy":
             init_dummy_weights(model, config.model.seed)
         else:
-            model.load_weights(iterate_weights(config.model.model_path, load_format))
+            model.load_weights(iterate_weights(config.model.model_path, load_format,
+                                               ignore_patterns=config.load.ignore_patterns))
     assign.use_cpu_linear_forms(model)
     counts = assign.process_weights_after_loading(model)
     if quantization is not None or counts.keys() - {"unquantized"}:
@@ -173,12 +175,22 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         param.data.copy_(noise)
 
 
-def weight_files(model_path: str, load_format: str) -> tuple[str, list[str]]:
+def weight_files(model_path: str, load_format: str,
+                 ignore_patterns: tuple[str, ...] = ()) -> tuple[str, list[str]]:
     """("safetensors" | "pt", sorted weight files) for `load_format` in auto/safetensors/pt/gguf.
 
     "gguf" means a folder converted from a GGUF file, which holds safetensors. An index file
-    (`*.index.json`), when present, selects the files it names.
+    (`*.index.json`), when present, selects the files it names. Files whose path inside the folder
+    matches one of `ignore_patterns` (fnmatch globs, --ignore-patterns) are skipped.
     """
+    if ignore_patterns:
+        kind, files = weight_files(model_path, load_format)
+        kept = [f for f in files
+                if not any(fnmatch.fnmatch(os.path.relpath(f, model_path), p) for p in ignore_patterns)]
+        if not kept:
+            raise WeightsNotFoundError(f"--ignore-patterns {list(ignore_patterns)}: every weight file of "
+                                       f"{model_path} matches ({[os.path.basename(f) for f in files]})")
+        return kind, kept
     if load_format in ("auto", "safetensors", "gguf"):
         files = _select_files(model_path, ["*.safetensors"], "model.safetensors.index.json")
         if files:
@@ -204,11 +216,12 @@ def _select_files(folder: str, patterns: list[str], index_name: str) -> list[str
     return files
 
 
-def iterate_weights(model_path: str, load_format: str,
-                    skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files, except
-    those `skip(name)` is true for (safetensors files do not even read those)."""
-    kind, files = weight_files(model_path, load_format)
+def iterate_weights(model_path: str, load_format: str, skip: Callable[[str], bool] | None = None,
+                    ignore_patterns: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files (but those
+    matching `ignore_patterns`), except those `skip(name)` is true for (safetensors files do not even
+    read those)."""
+    kind, files = weight_files(model_path, load_format, ignore_patterns)
     if kind == "safetensors":
         from safetensors import safe_open
 

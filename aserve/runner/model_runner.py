@@ -135,6 +135,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
+        elif cache.kv_cache_memory_bytes is not None:  # --kv-cache-memory-bytes: no profiling, no fraction
+            num_blocks = cache.kv_cache_memory_bytes // per_block
         elif self.device.type == "cuda":
             num_blocks = self._profile_num_blocks(per_block)
         else:

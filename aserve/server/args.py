@@ -19,6 +19,7 @@ from typing import Any
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
 from aserve.config.vllm_compat import add_compat_arguments, apply_compat
+from aserve.server.chat_template import CONTENT_FORMATS
 from aserve.server.reasoning import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
 
@@ -70,6 +71,7 @@ class ServerArgs:
     port: int = 8000
     api_key: str | tuple[str, ...] | None = None  # several keys: the batch is shared fairly between them
     chat_template: str | None = None
+    chat_template_content_format: str = "auto"  # auto = string (text parts joined); openai = a list of parts
     response_role: str = "assistant"
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -190,6 +192,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template",
         default=None,
         help="chat template file or inline jinja template (overrides the tokenizer's)",
+    )
+    g.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=CONTENT_FORMATS,
+        help="how message content reaches the chat template: string (text parts joined with newlines), "
+        "openai (a list of {\"type\": \"text\", \"text\": ...} parts, a string content as one part); "
+        "auto = string (default: auto)",
     )
     g.add_argument("--response-role", default="assistant", help="role of generated chat messages")
     g.add_argument(
@@ -391,6 +401,9 @@ def validate_server_args(args: ServerArgs) -> None:
         )
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise ValueError(f"--root-path: must start with '/' and not end with '/', got {args.root_path!r}")
+    if args.chat_template_content_format not in CONTENT_FORMATS:
+        raise ValueError(f"--chat-template-content-format: must be one of {CONTENT_FORMATS}, "
+                         f"got {args.chat_template_content_format!r}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or mistral)")
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSER_NAMES:

@@ -43,6 +43,7 @@ from aserve.server.protocol import (
     DeltaMessage,
     TextPart,
 )
+from aserve.server.chat_template import content_text
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
 from aserve.server.state import ServerState, client_id_of, get_state, logger
@@ -62,8 +63,10 @@ def _message_text(i: int, content: list[ContentPart]) -> str:
     return "\n".join(texts)
 
 
-def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts chat templates expect; text parts are joined with newlines."""
+def to_conversation(messages: list[ChatMessage], content_format: str = "auto") -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect (--chat-template-content-format): "string" (and
+    "auto") joins text parts with newlines; "openai" gives every content as a list of
+    `{"type": "text", "text": ...}` parts (a string content becomes one part), as vLLM does."""
     if not messages:
         raise bad_request("must contain at least one message", param="messages")
     conversation: list[dict[str, Any]] = []
@@ -76,6 +79,9 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = _message_text(i, content)
         if content is None and not message.tool_calls:
             content = ""
+        if content_format == "openai" and content is not None:
+            parts = message.content if isinstance(message.content, list) else [content]
+            content = [{"type": "text", "text": p if isinstance(p, str) else p.text} for p in parts]
         entry: dict[str, Any] = {"role": message.role, "content": content}
         for name in ("name", "tool_call_id", "tool_calls", "reasoning_content", "refusal"):
             value = getattr(message, name)
@@ -151,8 +157,8 @@ async def create_chat_completion(request: Request) -> Response:
     plan = ChatOutputPlan.from_request(req, state.args)
     include_usage, continuous_usage = check_stream_options(req)
     top_logprobs = _top_logprobs(req)
-    conversation = to_conversation(req.messages)
-    num_chars = sum(len(m["content"]) for m in conversation if isinstance(m["content"], str))
+    conversation = to_conversation(req.messages, state.args.chat_template_content_format)
+    num_chars = sum(len(content_text(m["content"])) for m in conversation)
     state.check_text_length(num_chars, "messages")
     prompt, prompt_ids = await state.run_blocking(
         state.renderer.render_and_tokenize,
@@ -193,8 +199,8 @@ async def create_chat_completion(request: Request) -> Response:
 
     role = state.args.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo_text = ""
-    if req.echo and conversation[-1]["role"] == role and isinstance(conversation[-1]["content"], str):
-        echo_text = conversation[-1]["content"]
+    if req.echo and conversation[-1]["role"] == role and conversation[-1]["content"] is not None:
+        echo_text = content_text(conversation[-1]["content"])
     job = _ChatJob(
         state,
         request_id,

@@ -238,6 +238,17 @@ class ChatRenderer:
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def content_text(content: Any) -> str:
+    """A message's text: a string as is, an OpenAI list of parts ("openai" content format) joined with
+    newlines, as the "string" format joins them; None is ""."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
 def _with_tools_as_text(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                         source: str) -> list[dict[str, Any]]:
     """`conversation` rewritten for a template that does not render tools or tool calls."""
@@ -250,11 +261,11 @@ def _with_tools_as_text(conversation: list[dict[str, Any]], tools: list[dict[str
         for m in conversation:
             if m.get("tool_calls"):
                 calls = hermes_tool_calls_text(m["tool_calls"])
-                text = m.get("content") or ""
+                text = content_text(m.get("content"))
                 m = {**{k: v for k, v in m.items() if k != "tool_calls"},
                      "content": f"{text}\n{calls}" if text else calls}
             elif m.get("role") == "tool":
-                m = {**m, "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+                m = {**m, "content": f"<tool_response>\n{content_text(m.get('content'))}\n</tool_response>"}
             rewritten.append(m)
         conversation = rewritten
     return conversation
@@ -262,6 +273,8 @@ def _with_tools_as_text(conversation: list[dict[str, Any]], tools: list[dict[str
 
 def _cut_after_final_message(text: str, conversation: list[dict[str, Any]]) -> str:
     final = conversation[-1].get("content") if conversation else None
+    if isinstance(final, list):  # the last text part, as transformers' apply_chat_template
+        final = next((p.get("text") for p in reversed(final) if isinstance(p, dict) and "text" in p), None)
     if not isinstance(final, str) or not final.strip():
         raise bad_request(
             "continue_final_message needs a final message with text content", param="continue_final_message"

@@ -76,7 +76,7 @@ async def tokenize(request: Request) -> Response:
         raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
     state.require_tokenizer("prompt" if req.prompt is not None else "messages")
     if req.messages is not None:
-        conversation = to_conversation(req.messages)
+        conversation = to_conversation(req.messages, state.args.chat_template_content_format)
         _, ids = await state.run_blocking(
             state.renderer.render_and_tokenize,
             conversation,

@@ -20,6 +20,16 @@ from aserve.model.layers.attention import Attention
 from aserve.model.layers.linear import MergedLinear
 
 
+# The Llama-style checkpoint's separate projections -> (aserve's fused layer, shard index).
+QKV_GATE_UP_MAPPING: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 class CausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]`;
     `compute_logits(hidden [N, hidden]) -> [N, vocab]` float32."""

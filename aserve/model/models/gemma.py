@@ -23,7 +23,7 @@ from aserve.model.layers.embedding import LMHead, VocabEmbedding
 from aserve.model.layers.linear import Linear, MergedLinear
 from aserve.model.layers.norm import GemmaRMSNorm
 from aserve.model.layers.rotary import RotaryEmbedding
-from aserve.model.models.base import CausalLM
+from aserve.model.models.base import QKV_GATE_UP_MAPPING, CausalLM
 
 
 class GemmaAttention(nn.Module):
@@ -125,13 +125,7 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(CausalLM):
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = QKV_GATE_UP_MAPPING
 
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):

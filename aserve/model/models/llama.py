@@ -25,7 +25,7 @@ from aserve.model.layers.embedding import LMHead, VocabEmbedding
 from aserve.model.layers.linear import Linear, MergedLinear
 from aserve.model.layers.norm import RMSNorm
 from aserve.model.layers.rotary import RotaryEmbedding
-from aserve.model.models.base import CausalLM
+from aserve.model.models.base import QKV_GATE_UP_MAPPING, CausalLM
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = QKV_GATE_UP_MAPPING
     float_output_modules: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj", "gate_up_proj")
     attention_options: ClassVar[LlamaAttentionOptions] = LlamaAttentionOptions()
 

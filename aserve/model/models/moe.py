@@ -20,7 +20,7 @@ from aserve.model.attention.base import AttentionBackend
 from aserve.model.layers.embedding import LMHead
 from aserve.model.layers.linear import Linear
 from aserve.model.layers.moe import FusedMoE, select_experts
-from aserve.model.models.base import CausalLM
+from aserve.model.models.base import QKV_GATE_UP_MAPPING, CausalLM
 from aserve.model.models.llama import LlamaAttentionOptions, LlamaMLP, LlamaModel
 
 
@@ -51,13 +51,7 @@ class MoeForCausalLM(CausalLM):
     """A Llama decoder with `SparseMoeBlock`s on the layers `MoeFields.is_sparse` names (the others keep
     the dense MLP of `intermediate_size`)."""
 
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),  # dense layers and the shared expert
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = QKV_GATE_UP_MAPPING  # dense layers and shared experts in MoE models
     expert_params_mapping: ClassVar[dict[str, tuple[str, int | None]]] = {
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),

@@ -52,7 +52,8 @@ def transformers_config(model_cfg: ModelConfig):
     --rope-scaling go into transformers 5's `rope_parameters`)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model_cfg.model_path, trust_remote_code=model_cfg.trust_remote_code,
+    cfg = AutoConfig.from_pretrained(model_cfg.hf_config_path or model_cfg.model_path,
+                                     trust_remote_code=model_cfg.trust_remote_code,
                                      local_files_only=True)
     for key, value in (model_cfg.hf_overrides or {}).items():
         rope = getattr(cfg, "rope_parameters", None)
