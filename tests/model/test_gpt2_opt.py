@@ -13,10 +13,9 @@ from safetensors.torch import save_file
 
 from aserve.kernels import cpu_ops
 from tests.model._parity import all_position_logits, decode_step_logits, parity
-from tests.model._tiny_models import hf_logits, load_ours, random_schedule, run_schedule
-from tests.support.tiny_models import VOCAB, save_tiny_hf
-
-ATOL = 1e-4
+from tests.model._tiny_models import load_ours, random_schedule, run_schedule
+from tests.model.test_llama import _assert_matches_hf, _prompts
+from tests.support.tiny_models import save_tiny_hf
 
 VARIANTS = {
     "gpt2": ("gpt2", {}),
@@ -31,15 +30,6 @@ VARIANTS = {
                                            "activation_function": "gelu"}),
 }
 
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
-
-
-def _assert_matches_hf(hf_model, prompts, logits):
-    for tokens, got in zip(prompts, logits, strict=True):
-        torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
