@@ -165,7 +165,7 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
         elif arg.kind == "alias":
             help_text = f"vLLM's newer spelling: sets {flag_name(arg.target or '')} to {arg.target_value!r}"
         elif arg.kind == "noop":
-            help_text = f"deprecated: {arg.reason}"
+            help_text = arg.reason if arg.reason.startswith("deprecated") else f"deprecated: {arg.reason}"
         else:
             help_text = f"refused: {arg.reason}" if arg.reason else "accepted (aserve shows no loading bar)"
         kwargs: dict[str, Any] = {"dest": name, "default": arg.default, "help": help_text}

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
+from aserve.config.engine_args import LOAD_FORMATS
+from aserve.config.resolve import _DEFAULT_TOKEN_BUDGET
 from aserve.config.vllm_compat import add_compat_arguments, apply_compat
 from aserve.server.chat_template import CONTENT_FORMATS
+from aserve.server.help_groups import HelpAction, regroup
 from aserve.server.reasoning import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
 
@@ -27,9 +30,9 @@ TOOL_PARSER_NAMES = tuple(sorted(TOOL_PARSERS))
 REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))
 
 _ENGINE_HELP = {
-    "model": f"model name, Hugging Face folder or .gguf file; empty means the bundled {BUNDLED_MODEL_NAME}",
-    "served_model_name": "the model name(s) the API answers to (default: --model)",
-    "max_model_len": "context length (default: from the model config)",
+    "model": "model name, Hugging Face folder or .gguf file",
+    "served_model_name": "the model name(s) the API answers to",
+    "max_model_len": "context length",
     "block_size": "tokens per KV-cache block",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "max_num_seqs": "maximum requests in one batch",
@@ -58,6 +61,68 @@ _ENGINE_HELP = {
     '\'{"backend": "xgrammar", "disable_any_whitespace": true}\'',
     "model_impl": "auto: aserve's native class when there is one, else the Transformers backend; aserve: native "
                   "only; transformers: always transformers' modeling code with aserve's paged attention",
+    "tokenizer": "tokenizer name or folder",
+    "tokenizer_mode": "auto (the fast tokenizer); 'slow' is refused",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs carry token ids only",
+    "revision": "Hub revision (branch, tag or commit) of the model",
+    "tokenizer_revision": "Hub revision of the tokenizer",
+    "trust_remote_code": "accept models whose config asks for remote code (aserve runs none: it uses its native "
+                         "classes or the Transformers backend)",
+    "download_dir": "where Hub downloads go",
+    "load_format": f"weight file format: {', '.join(LOAD_FORMATS)} (dummy: random weights)",
+    "seed": "random seed of sampling",
+    "swap_space": "CPU swap space per GPU in GiB (used by --preemption-mode swap)",
+    "cpu_offload_gb": "GiB of weights offloaded to CPU (only 0 is implemented)",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
+    "cpu_kvcache_space": "KV-cache size in GiB on CPU",
+    "max_logprobs": "the most logprobs a request may ask for",
+    "max_seq_len_to_capture": "longest sequence CUDA graphs cover; longer ones run eager",
+    "enable_chunked_prefill": "split long prompts into chunks of the --max-num-batched-tokens budget",
+    "preemption_mode": "what frees KV blocks when the cache is full: recompute or swap",
+    "scheduling_policy": "fcfs, or priority (by the request's priority field)",
+    "rope_theta": "RoPE base (overrides the model's)",
+    "generation_config": "sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder "
+                         "holding generation_config.json",
+    "device": "auto, cpu or cuda (auto: cuda when available)",
+    "attention_backend": "attention kernels: torch or triton",
+    "quantization": "weight quantization: int8 / int4 (quantized at load, CPU), gguf, or a quantized "
+                    "checkpoint's format (gptq, awq, compressed-tensors)",
+    "disable_sliding_window": "full attention instead of the model's sliding window",
+    "override_generation_config": "JSON object of generation_config.json keys (temperature, top_p, top_k, min_p, "
+                                  "repetition_penalty, max_new_tokens) over the --generation-config defaults",
+    "hf_config_path": "a folder whose config.json is read instead of the model's",
+    "config_format": "auto or hf: Hugging Face config.json (mistral's params.json is refused)",
+    "ignore_patterns": "weight files to skip (fnmatch globs inside the model folder; also not downloaded)",
+    "code_revision": "Hub revision of the model's remote code (refused with --trust-remote-code)",
+    "kv_cache_memory_bytes": "KV-cache size in bytes (beats the --gpu-memory-utilization sizing)",
+}
+# The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
+_ENGINE_DEFAULTS = {
+    "model": f"'', the bundled {BUNDLED_MODEL_NAME}",
+    "tokenizer": "the --model",
+    "max_model_len": "from the model's config.json",
+    "served_model_name": "the --model name",
+    "download_dir": "the Hugging Face cache",
+    "cpu_kvcache_space": "$ASERVE_CPU_KVCACHE_SPACE, else $VLLM_CPU_KVCACHE_SPACE, else 4",
+    "max_num_batched_tokens": f"{_DEFAULT_TOKEN_BUDGET['cpu']} on CPU, {_DEFAULT_TOKEN_BUDGET['cuda']} on CUDA; "
+                              "without chunked prefill at least --max-model-len",
+    "enable_chunked_prefill": "True",
+    "preemption_mode": "'recompute'",
+    "rope_theta": "the model's",
+    "distributed_executor_backend": "'uni'; 'mp' with -tp > 1",
+    "attention_backend": "'triton' on CUDA, 'torch' on CPU",
+    "compilation_config": "level 3 on CUDA (CUDA graphs), 0 (eager) on CPU",
+    "quantization": "None: the checkpoint's own quantization_config, if any",
+    "hf_overrides": "{}: config.json as it is",
+    "rope_scaling": "None: the model's",
+    "override_generation_config": "{}: no overrides",
+    "hf_config_path": "None: the model's config.json",
+    "kv_cache_memory_bytes": "None: sized by --gpu-memory-utilization / --cpu-kvcache-space",
+    "num_gpu_blocks_override": "None: as many as fit",
+    "structured_outputs_config": "None: --guided-decoding-backend",
+    "revision": "None: the latest",
+    "tokenizer_revision": "None: the latest",
+    "code_revision": "None: the latest",
 }
 _SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
                   "compilation_config": "-O", "quantization": "-q"}
@@ -109,6 +174,15 @@ class ServerArgs:
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Defaults shown in --help where the value's repr says less (the server's and vLLM-compat flags).
+_SERVER_DEFAULTS = {
+    "api_key": "None: $ASERVE_API_KEY or $VLLM_API_KEY, else no key needed",
+    "chat_template": "None: the tokenizer's",
+    "max_log_len": "None: no limit",
+    "ssl_keyfile": "None: plain HTTP",
+    "ssl_certfile": "None: plain HTTP",
+    "model_tag": "None: --model",
+}
 
 
 def _json_object(flag: str):
@@ -155,8 +229,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         names = [flag] + ([_SHORT_ALIASES[f.name]] if f.name in _SHORT_ALIASES else [])
         default = f.default
-        help_text = _ENGINE_HELP.get(f.name, f"engine argument {f.name}")
-        help_text += f" (default: {default!r})"
+        help_text = _ENGINE_HELP[f.name]  # a KeyError: describe the new field in _ENGINE_HELP
+        help_text += f" (default: {_ENGINE_DEFAULTS.get(f.name, repr(default))})"
         tp, optional = _unwrap_optional(hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
         if f.name == "compilation_config":
@@ -309,10 +383,16 @@ def make_parser(serve_command: bool = False) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="aserve serve" if serve_command else "aserve",
+        usage="%(prog)s " + ("[MODEL] " if serve_command else "") + "[flags]   (aserve --help=listgroup: the flag "
+              "groups; aserve --help=<group>: one group)",
         description="OpenAI-compatible LLM server (aserve). `aserve serve [MODEL] [flags]` (vLLM's form) "
-        "and `aserve [flags]` are the same command.",
+        "and `aserve [flags]` are the same command. The flags are grouped as vLLM groups them: "
+        "--help=<group> shows one group, --help=listgroup lists the groups.",
+        add_help=False,
     )
-    parser.add_argument("--version", action="version", version=f"aserve {__version__}")
+    parser.add_argument("-h", "--help", action=HelpAction)
+    parser.add_argument("--version", action="version", version=f"aserve {__version__}",
+                        help="show the version and exit")
     if serve_command:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                             help="the model to serve, as --model (vLLM's `serve MODEL` form)")
@@ -320,6 +400,10 @@ def make_parser(serve_command: bool = False) -> argparse.ArgumentParser:
     add_server_arguments(parser)
     add_tool_and_reasoning_arguments(parser)
     add_compat_arguments(parser)  # vLLM names aserve aliases or refuses (aserve/config/vllm_compat.py)
+    regroup(parser)  # each flag into its topic's group, as vLLM's --help (aserve/server/help_groups.py)
+    for action in parser._actions:  # every flag's help ends with its default, once
+        if action.dest not in ("help", "version") and "(default:" not in (action.help or ""):
+            action.help = f"{action.help} (default: {_SERVER_DEFAULTS.get(action.dest, repr(action.default))})"
     return parser
 
 

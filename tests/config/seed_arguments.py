@@ -52,7 +52,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--generation-config": {"seeds": "003", "status": "implemented", "test": "tests/engine/test_builder.py::test_generation_defaults_and_eos_come_from_one_read"},
     "--gpu-memory-utilization": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/config/test_engine_args.py::test_good_values_pass"},
     "--guided-decoding-backend": {"seeds": "001 003", "status": "implemented", "test": "tests/server/test_structured_outputs_options.py::test_engine_wide_compact_json_and_a_request_own_option"},
-    "--help": {"seeds": "001", "status": "implemented", "test": "tests/server/test_cli.py::test_version"},
+    "--help": {"seeds": "001", "status": "implemented", "test": "tests/server/test_help.py::test_help_group"},
     "--hf-config-path": {"seeds": "003", "status": "implemented", "test": "tests/config/test_loading_flags.py::test_hf_config_path_replaces_the_model_folders_config_json"},
     "--hf-overrides": {"seeds": "003", "status": "implemented", "test": "tests/server/test_args.py::test_engine_flags_parse_with_vllm_spellings"},
     "--host": {"seeds": "001 004", "status": "implemented", "test": "tests/server/test_cli.py::test_busy_port_fails_at_once_with_one_line"},
