@@ -5,8 +5,10 @@ weight is read.
 
 Methods (the README's quantization table lists each with its kernel and test):
   checkpoint formats  gptq (4-bit; 8-bit served dequantized), awq (GEMM packing), compressed-tensors
-                      (`pack-quantized` W4A16 / W8A16, int weights, group / channel strategy)
-  load-time           int4, int8 (`weight_only_int8` is seed 004's name for int8), gguf
+                      (`pack-quantized` W4A16 / W8A16, int weights, group / channel strategy), fp8
+                      (float8_e4m3fn weights, per-tensor / per-channel / `weight_block_size` scales)
+  load-time           int4, int8 (`weight_only_int8` is seed 004's name for int8), gguf, fp8 (online
+                      `--quantization fp8` of a float checkpoint)
 Everything else named here is refused with the reason.
 """
 
@@ -19,15 +21,14 @@ from typing import Any
 
 from aserve.config.errors import ConfigError, require
 
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
-LOAD_TIME_METHODS = ("gguf", "int4", "int8")
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+LOAD_TIME_METHODS = ("gguf", "int4", "int8", "fp8")
 # Other spellings of a built method: seed 004's vendor name, vLLM's GPU-kernel names of the same formats.
 METHOD_ALIASES = {"weight_only_int8": "int8", "gptq_marlin": "gptq", "awq_marlin": "awq",
                   "compressed_tensors": "compressed-tensors"}
 # Known names that are not built, with why (refused at start-up, naming them).
 REFUSED_METHODS = {
-    "fp8": "FP8 checkpoints / online FP8 are not implemented yet",
-    "fbgemm_fp8": "FP8 checkpoints are not implemented yet",
+    "fbgemm_fp8": "FBGEMM FP8 checkpoints are not implemented (quant_method 'fp8' checkpoints are)",
     "bitsandbytes": "bitsandbytes (NF4 / int8) is not implemented yet",
     "smooth_quant": "W8A8 (SmoothQuant) is not implemented yet",
     "squeezellm": "SqueezeLLM is not implemented",
@@ -53,6 +54,8 @@ class QuantSpec:
     sym: bool = True
     gptq_v1_zeros: bool = False  # gptq v1 checkpoints store zero - 1
     ignore: tuple[str, ...] = ()  # module names left in float (AWQ's modules_to_not_convert, c-t's ignore)
+    block_size: tuple[int, int] | None = None  # fp8: weight_block_size [rows, cols] of the block scales
+    activation_scheme: str = ""  # fp8: "dynamic" | "static" (activations stay unquantized on CPU)
 
 
 def normalize_method(name: str | None) -> str | None:
@@ -90,6 +93,8 @@ def resolve_quantization(flag: str | None, hf_cfg: dict[str, Any], model_path: s
     if flagged in REFUSED_METHODS:
         raise ConfigError(f"--quantization: {flag!r}: {REFUSED_METHODS[flagged]}")
     if qc is None:
+        if flagged == "fp8":  # online: quantize the float checkpoint's Linear weights at load
+            return flagged, None
         require(flagged not in CHECKPOINT_METHODS, "quantization",
                 f"{flag!r} needs a checkpoint quantized in that format, but {model_path} has no quantization_config "
                 "in config.json (nor a quantize_config.json); for a float checkpoint use int4 / int8")
@@ -107,7 +112,8 @@ def resolve_quantization(flag: str | None, hf_cfg: dict[str, Any], model_path: s
                           f"(config.json quantization_config); drop the flag or pass --quantization {ckpt}")
     require(tensor_parallel_size == 1, "quantization",
             f"{ckpt!r} checkpoints are not implemented with --tensor-parallel-size > 1 yet")
-    parse = {"gptq": _gptq_spec, "awq": _awq_spec, "compressed-tensors": _compressed_tensors_spec}[ckpt]
+    parse = {"gptq": _gptq_spec, "awq": _awq_spec, "compressed-tensors": _compressed_tensors_spec,
+             "fp8": _fp8_spec}[ckpt]
     return ckpt, parse(qc)
 
 
@@ -172,3 +178,20 @@ def _compressed_tensors_spec(qc: dict[str, Any]) -> QuantSpec:
     group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
     return QuantSpec("compressed-tensors", bits, group_size, sym=bool(w.get("symmetric", True)),
                      ignore=tuple(qc.get("ignore") or ()))
+
+
+def _fp8_spec(qc: dict[str, Any]) -> QuantSpec:
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise _refuse("fp8", f"fmt {fmt!r} (built: 'e4m3')")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise _refuse("fp8", f"activation_scheme {scheme!r} (built: 'dynamic', 'static')")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if not isinstance(block, (list, tuple)) or len(block) != 2 or any(int(b) <= 0 for b in block):
+            raise ConfigError(f"config.json quantization_config (fp8): invalid weight_block_size {block!r}")
+        block = (int(block[0]), int(block[1]))
+    ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+    return QuantSpec("fp8", 8, -1 if block is None else block[1], ignore=ignore, block_size=block,
+                     activation_scheme=scheme)

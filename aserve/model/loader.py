@@ -86,11 +86,23 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
         raise ValueError(f"--quantization {quantization}: implemented for CPU only (use --device cpu)")
     if quantization == "gguf":
         model.load_weights(_gguf_weights(model, config.model.model_path))
+    elif config.load.quant_spec is not None and config.load.quant_spec.method == "fp8":  # an FP8 checkpoint
+        model.load_weights(_fp8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
+                                                   load_format))
     elif config.load.quant_spec is not None:  # a GPTQ / AWQ / compressed-tensors checkpoint
         model.load_weights(_checkpoint_quantized_weights(model, config.load.quant_spec, config.model.model_path,
                                                          load_format))
     else:
-        if quantization is not None:
+        if quantization == "fp8":  # online FP8: Linear layers only (MoE experts stay in the model dtype)
+            from aserve.model.quantization.fp8 import Fp8OnlineMethod
+
+            method = Fp8OnlineMethod()
+            layers = assign.linear_layers(model)
+            for _, layer in layers:
+                layer.set_quant_method(method)
+            logger.info("--quantization fp8: %d Linear layers quantized to float8_e4m3fn at load (per-channel "
+                        "scales)%s", len(layers), "; MoE experts stay unquantized" if assign.expert_layers(model) else "")
+        elif quantization is not None:
             num = assign.set_load_time_method(model, load_time_method(quantization))
             logger.info("--quantization %s: %d of %d Linear layers quantized at load", quantization, num,
                         len(assign.linear_layers(model)))
@@ -145,6 +157,27 @@ def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
                 spec.method, spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)))
     return checkpoint_formats.canonical_weights(iterate_weights(model_path, load_format), spec, targets)
+
+
+def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
+                           load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Set the fp8 checkpoint method on the layers the checkpoint stores in fp8; the tensors to load
+    (aserve/model/quantization/fp8.py)."""
+    from safetensors import safe_open
+
+    from aserve.model.quantization import fp8
+
+    kind, files = weight_files(model_path, load_format)
+    if kind != "safetensors":
+        raise ValueError("--quantization fp8: fp8 checkpoints are read from safetensors only")
+    names = [n for path in files for n in safe_open(path, framework="pt", device="cpu").keys()]  # noqa: SIM118
+    targets = fp8.assign_fp8_methods(model, spec.block_size, fp8.fp8_prefixes(names))
+    logger.info("--quantization fp8: %s scales, %s activations (served unquantized): %d of %d Linear layers fp8 "
+                "in the checkpoint; kernel: %s",
+                f"{list(spec.block_size)} block" if spec.block_size else "per-tensor / per-channel",
+                spec.activation_scheme, len({id(layer) for layer in targets.values()}),
+                len(assign.linear_layers(model)), fp8.KERNEL)
+    return fp8.fp8_weights(iterate_weights(model_path, load_format), spec.block_size, targets)
 
 
 def _read_tensor(files: list[str], name: str) -> torch.Tensor:

@@ -41,7 +41,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
     (dict(data_parallel_size=2), "--data-parallel-size"),
     (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
-    (dict(quantization="fp8"), "--quantization"),  # not built yet (tests/config/test_quantization.py)
+    (dict(quantization="bitsandbytes"), "--quantization"),  # not built yet (tests/config/test_quantization.py)
     (dict(quantization="gguf"), "--quantization"),  # a hub id / missing path is not a .gguf source
     (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
     (dict(quantization="gguf", load_format="dummy"), "--quantization"),

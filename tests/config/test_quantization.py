@@ -29,6 +29,12 @@ def _load(path: str, **kwargs):
     ({**GPTQ, "bits": 8}, "gptq", QuantSpec("gptq", 8, 128, desc_act=True, sym=False, gptq_v1_zeros=True)),
     (AWQ, "awq", QuantSpec("awq", 4, 128, sym=False)),
     (CT_W4A16, "compressed-tensors", QuantSpec("compressed-tensors", 4, 128, sym=True, ignore=("lm_head",))),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8",
+     QuantSpec("fp8", 8, -1, activation_scheme="dynamic")),
+    ({"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}, "fp8",
+     QuantSpec("fp8", 8, -1, ignore=("lm_head",), activation_scheme="static")),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8",
+     QuantSpec("fp8", 8, 128, block_size=(128, 128), activation_scheme="dynamic")),
 ])
 def test_the_checkpoint_selects_the_method(write_model_dir, qc, method, spec):
     load = _load(write_model_dir(quantization_config=qc))
@@ -47,6 +53,16 @@ def test_a_matching_flag_is_accepted(write_model_dir, flag):
     assert _load(write_model_dir(quantization_config=GPTQ), quantization=flag).quantization == "gptq"
 
 
+def test_online_fp8_of_a_float_checkpoint(model_dir):
+    load = _load(model_dir, quantization="fp8")
+    assert (load.quantization, load.quant_spec) == ("fp8", None)
+
+
+def test_a_matching_fp8_flag_is_accepted_on_an_fp8_checkpoint(write_model_dir):
+    load = _load(write_model_dir(quantization_config={"quant_method": "fp8"}), quantization="fp8")
+    assert load.quantization == "fp8" and load.quant_spec.method == "fp8"
+
+
 def test_weight_only_int8_is_int8(model_dir):
     assert _load(model_dir, quantization="weight_only_int8").quantization == "int8"
 
@@ -61,6 +77,8 @@ def test_short_flag():
     (AWQ, "gptq", ["'gptq'", "'awq'"]),  # flag vs checkpoint: both named
     (GPTQ, "int4", ["'int4'", "'gptq'"]),
     (None, "gptq", ["'gptq'", "no quantization_config"]),  # a float checkpoint
+    (GPTQ, "fp8", ["'fp8'", "'gptq'"]),  # online fp8 of an already-quantized checkpoint
+    ({"quant_method": "fp8"}, "int8", ["'int8'", "'fp8'"]),
 ])
 def test_a_mismatch_names_both(write_model_dir, qc, flag, named):
     path = write_model_dir(**({"quantization_config": qc} if qc else {}))
@@ -70,7 +88,10 @@ def test_a_mismatch_names_both(write_model_dir, qc, flag, named):
 
 
 @pytest.mark.parametrize("qc, named", [
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+    ({"quant_method": "fbgemm_fp8"}, "'fbgemm_fp8'"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
+    ({"quant_method": "fp8", "activation_scheme": "per-token"}, "'per-token'"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     ({**GPTQ, "bits": 3}, "bits 3"),
     ({**GPTQ, "bits": 2}, "bits 2"),
@@ -90,7 +111,8 @@ def test_formats_not_built_are_refused_naming_them(write_model_dir, qc, named):
     assert named in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs", [dict(quantization="fp8"), dict(quantization="bitsandbytes"),
+@pytest.mark.parametrize("kwargs", [dict(quantization="fbgemm_fp8"), dict(quantization="bitsandbytes"),
+                                    dict(quantization="fp8", device="cuda"),
                                     dict(quantization="gptq", device="cuda")])
 def test_flags_not_built_are_refused(model_dir, kwargs):
     with pytest.raises(ConfigError, match="^--quantization"):

@@ -8,6 +8,8 @@
   int4_cpu.py     the int4 kernel's weight form, packing and matmul (shared by gguf, int4 and checkpoint_int)
   checkpoint_int.py      gptq / awq / compressed-tensors checkpoints: the Linear method (4-bit kernel or dequantized)
   checkpoint_formats.py  reading their on-disk packings into that method's form (aserve/config/quantization.py parses the config)
+  fp8.py          fp8 checkpoints (`quant_method: fp8`) and online `--quantization fp8`: float8_e4m3fn weights,
+                  dequantized per call (CPU, weight-only)
   gguf_file.py, gguf_reader.py   reading a GGUF file's index and its 4-bit Linear weights
 
 The loader (`aserve/model/loader.py`) chooses a method per layer; model files never do.
