@@ -1,7 +1,11 @@
 """SamplingParams: vLLM's names and defaults, validated once at intake (errors name the field).
 
-This module also holds the request limits (`MAX_*`): every cap a request is checked against is
-defined here, once, and listed in the README's "Request limits" table. Field-level checks live in
+This module also holds the request limits (`MAX_*`, and `LIMITS`: each field's range and meaning):
+every cap a request is checked against is defined here, once, and listed in the README's "Request
+limits" table. `LIMITS` feeds both `SamplingParams.validate` and the field annotations in
+`aserve.server.protocol`, from which `/openapi.json` shows each field's description, `minimum` and
+`maximum` (schema only: decoding does not enforce them, so errors keep naming the field in OpenAI's
+format). Field-level checks live in
 `SamplingParams.validate`; the checks that need the model (vocabulary, `max_model_len`,
 `--max-logprobs`, the prompt) live in `aserve.engine.input_processor`.
 """
@@ -9,8 +13,10 @@ defined here, once, and listed in the README's "Request limits" table. Field-lev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -34,6 +40,83 @@ MAX_TEMPERATURE = 100.0  # far past uniform sampling; keeps logits / temperature
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body (checked by the HTTP layer)
 # Seeds: any int64, as vLLM (torch.long). The runner derives seed + sample index and seed + tokens
 # generated so far, which stays inside what torch's manual_seed takes ([-2^63, 2^64)).
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One request field's accepted range and meaning: what validation checks and /openapi.json shows.
+
+    `low`/`high` bound a number (`open_low`: `low` itself is refused); `schema` holds further JSON
+    Schema keywords (sizes of lists and maps, ranges of their entries). None: no bound.
+    """
+
+    description: str
+    low: int | float | None = None
+    high: int | float | None = None
+    open_low: bool = False
+    schema: dict[str, Any] = field(default_factory=dict)
+
+    def json_schema(self) -> dict[str, Any]:
+        """The JSON Schema keywords for this range (to sit beside the field's type)."""
+        out = dict(self.schema)
+        if self.low is not None:
+            out["exclusiveMinimum" if self.open_low else "minimum"] = self.low
+        if self.high is not None:
+            out["maximum"] = self.high
+        return out
+
+
+_MAX_LOGPROBS_NOTE = "; the server also caps it at `--max-logprobs` (default 20)"
+
+LIMITS: dict[str, Limit] = {
+    "n": Limit("How many completions to return for each prompt.", 1, MAX_N),
+    "best_of": Limit(
+        f"How many completions to generate, returning the `n` with the highest cumulative logprob; at "
+        f"least `n`, at most {MAX_N}.", 1, MAX_N),
+    "presence_penalty": Limit(
+        "Penalizes tokens that already appear in the output (positive: less repetition).", *PENALTY_RANGE),
+    "frequency_penalty": Limit(
+        "Penalizes tokens by how often they already appear in the output (positive: less repetition).",
+        *PENALTY_RANGE),
+    "repetition_penalty": Limit(
+        "Divides the positive (multiplies the negative) logits of tokens already in the prompt or output "
+        "by this (vLLM's; 1: off, above 1: less repetition).",
+        0.0, MAX_REPETITION_PENALTY, open_low=True),
+    "temperature": Limit("Sampling temperature: 0 is greedy, higher is more random.", 0.0, MAX_TEMPERATURE),
+    "top_p": Limit("Nucleus sampling: sample from the smallest set of tokens whose probabilities add up "
+                   "to `top_p` (1: off).", 0.0, 1.0, open_low=True),
+    "top_k": Limit("Sample from the `top_k` most likely tokens (vLLM's; -1 or 0: off; at most the "
+                   "vocabulary size).", -1, INT64_MAX),
+    "min_p": Limit("Drop tokens less likely than `min_p` times the most likely token (vLLM's; 0: off).",
+                   0.0, 1.0),
+    "seed": Limit("Seed for sampling (any int64; sample i of the request uses seed + i).", INT64_MIN, INT64_MAX),
+    "max_tokens": Limit("The most tokens to generate; prompt + max_tokens must fit in the model's "
+                        "context (`max_model_len`).", 1, INT64_MAX),
+    "min_tokens": Limit("Generate at least this many tokens before EOS or a stop may end the output "
+                        "(vLLM's; at most `max_tokens`).", 0, INT64_MAX),
+    "logprobs": Limit("Return the log probabilities of this many most likely tokens at each position"
+                      + _MAX_LOGPROBS_NOTE + ".", 0, INT64_MAX),
+    "prompt_logprobs": Limit("Return the log probabilities of this many most likely tokens at each prompt "
+                             "position (vLLM's)" + _MAX_LOGPROBS_NOTE + ".", 0, INT64_MAX),
+    "truncate_prompt_tokens": Limit("Keep only the last this many prompt tokens (vLLM's; at most "
+                                    "`max_model_len`).", 1, INT64_MAX),
+    "priority": Limit("Scheduling priority with `--scheduling-policy priority` (lower is served first).",
+                      INT64_MIN, INT64_MAX),
+    "stop": Limit(f"Up to {MAX_STOP_STRINGS} strings (of at most {MAX_STOP_STRING_CHARS} characters) that "
+                  "end the output (not returned unless `include_stop_str_in_output`).",
+                  schema={"maxItems": MAX_STOP_STRINGS, "maxLength": MAX_STOP_STRING_CHARS,
+                          "items": {"minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}}),
+    "stop_token_ids": Limit(f"Up to {MAX_STOP_TOKEN_IDS} token ids that end the output (vLLM's).",
+                            schema={"maxItems": MAX_STOP_TOKEN_IDS, "items": {"minimum": 0}}),
+    "logit_bias": Limit(
+        f"Up to {MAX_LOGIT_BIAS_ENTRIES} entries token id -> bias in [{LOGIT_BIAS_RANGE[0]:g}, "
+        f"{LOGIT_BIAS_RANGE[1]:g}], added to that token's logit.",
+        schema={"maxProperties": MAX_LOGIT_BIAS_ENTRIES, "propertyNames": {"pattern": "^[0-9]{1,20}$"},
+                "additionalProperties": {"minimum": LOGIT_BIAS_RANGE[0], "maximum": LOGIT_BIAS_RANGE[1]}}),
+    "prompts": Limit(f"The prompt: a string, a list of token ids, or a list of up to {MAX_PROMPTS} "
+                     "strings or token-id lists (one completion each).", schema={"maxItems": MAX_PROMPTS}),
+}
+"""Each limited request field (SamplingParams' names, plus `prompts`): its range and meaning."""
 
 
 class RequestOutputKind(IntEnum):
@@ -84,6 +167,18 @@ def check_float(value: Any, field: str, low: float, high: float, *, open_low: bo
     _check(math.isfinite(number), field, f"must be a finite number, got {show(value)}")
     ok = (low < number if open_low else low <= number) and number <= high
     _check(ok, field, f"must be in {'(' if open_low else '['}{low}, {high}], got {show(value)}")
+
+
+def check_limit(value: Any, name: str, *, low: float | None = None, high: float | None = None) -> None:
+    """`value` within `LIMITS[name]` (an int when the bounds are ints); `low`/`high` override a bound
+    that depends on another field (best_of >= n, min_tokens <= max_tokens)."""
+    limit = LIMITS[name]
+    low = limit.low if low is None else low
+    high = limit.high if high is None else high
+    if isinstance(limit.low, int):
+        check_int(value, name, low, high)
+    else:
+        check_float(value, name, low, high, open_low=limit.open_low)
 
 
 def check_token_ids(ids: Any, field: str, max_count: int) -> None:
@@ -152,27 +247,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         """Every field on its own: types, ranges, finiteness, the count caps (`MAX_*`)."""
-        check_int(self.n, "n", 1, MAX_N)
+        check_limit(self.n, "n")
         if self.best_of is not None:
-            check_int(self.best_of, "best_of", self.n, MAX_N)
-        check_float(self.presence_penalty, "presence_penalty", *PENALTY_RANGE)
-        check_float(self.frequency_penalty, "frequency_penalty", *PENALTY_RANGE)
-        check_float(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, open_low=True)
-        check_float(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
-        check_float(self.top_p, "top_p", 0.0, 1.0, open_low=True)
-        _check(_is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k <= INT64_MAX), "top_k",
+            check_limit(self.best_of, "best_of", low=self.n)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p"):
+            check_limit(getattr(self, name), name)
+        top_k = LIMITS["top_k"]
+        _check(_is_int(self.top_k) and (self.top_k == top_k.low or 0 <= self.top_k <= top_k.high), "top_k",
                f"must be -1 or 0 (disable) or a positive int64, got {show(self.top_k)}")
-        check_float(self.min_p, "min_p", 0.0, 1.0)
-        if self.seed is not None:
-            check_int(self.seed, "seed", INT64_MIN, INT64_MAX)
-        if self.max_tokens is not None:
-            check_int(self.max_tokens, "max_tokens", 1, INT64_MAX)
-        check_int(self.min_tokens, "min_tokens", 0, INT64_MAX if self.max_tokens is None else self.max_tokens)
-        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if value is not None:
-                check_int(value, name, 0, INT64_MAX)
-        if self.truncate_prompt_tokens is not None:
-            check_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", 1, INT64_MAX)
+        check_limit(self.min_p, "min_p")
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+            if getattr(self, name) is not None:
+                check_limit(getattr(self, name), name)
+        check_limit(self.min_tokens, "min_tokens", high=self.max_tokens)
         self._validate_stop()
         if self.stop_token_ids is not None:
             check_token_ids(self.stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
@@ -211,7 +298,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for key, value in bias.items():
             token_id = key
             if isinstance(key, str):  # JSON object keys are strings
-                digits = key[1:] if key.startswith("-") else key
+                digits = key.removeprefix("-")
                 _check(0 < len(digits) <= 20 and digits.isascii() and digits.isdigit(), "logit_bias",
                        f"keys must be token ids (integers), got {key[:30]!r}")
                 token_id = int(key)

@@ -1,7 +1,10 @@
 """OpenAI wire types as msgspec Structs (OpenAI field names), plus vLLM's extra sampling fields.
 
 Requests forbid unknown fields, so a misspelt or unsupported option is a 400 naming it rather than
-silently ignored. Response fields that OpenAI omits are `UNSET` (msgspec leaves them out).
+silently ignored. Limited request fields carry their range and meaning from
+`aserve.sampling_params.LIMITS` as schema-only annotations (`/openapi.json` shows them; the values
+are checked by SamplingParams, whose errors name the field in OpenAI's format). Response fields that
+OpenAI omits are `UNSET` (msgspec leaves them out).
 """
 
 from __future__ import annotations
@@ -11,12 +14,61 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from aserve.sampling_params import INT64_MAX, INT64_MIN
+from aserve.sampling_params import LIMITS
 
 # -- requests ---------------------------------------------------------------------------------------
 
-Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
-"""An integer the engine passes on unchecked (priority); sampling fields are checked by SamplingParams."""
+Priority = Annotated[
+    int,
+    msgspec.Meta(
+        ge=LIMITS["priority"].low, le=LIMITS["priority"].high, description=LIMITS["priority"].description
+    ),
+]
+"""An int64 the engine passes on unchecked (decoding enforces the range); sampling fields are checked
+by SamplingParams."""
+
+
+def _limited(tp: Any, name: str, description: str | None = None) -> Any:
+    """`tp` annotated, for the JSON schema only, with `LIMITS[name]`'s range and description."""
+    limit = LIMITS[name]
+    return Annotated[
+        tp, msgspec.Meta(description=description or limit.description, extra_json_schema=limit.json_schema())
+    ]
+
+
+_OptFloat = float | None
+_OptInt = int | None
+FrequencyPenalty = _limited(_OptFloat, "frequency_penalty")
+PresencePenalty = _limited(_OptFloat, "presence_penalty")
+RepetitionPenalty = _limited(_OptFloat, "repetition_penalty")
+Temperature = _limited(_OptFloat, "temperature")
+TopP = _limited(_OptFloat, "top_p")
+MinP = _limited(_OptFloat, "min_p")
+TopK = _limited(_OptInt, "top_k")
+N = _limited(_OptInt, "n")
+BestOf = _limited(_OptInt, "best_of")
+Seed = _limited(_OptInt, "seed")
+MaxTokens = _limited(_OptInt, "max_tokens")
+MaxCompletionTokens = _limited(
+    _OptInt,
+    "max_tokens",
+    "The most tokens to generate (OpenAI's newer name for "
+    "`max_tokens`, which it overrides); prompt + it must fit in `max_model_len`.",
+)
+MinTokens = _limited(int, "min_tokens")
+Logprobs = _limited(_OptInt, "logprobs")
+TopLogprobs = _limited(
+    _OptInt,
+    "logprobs",
+    "With `logprobs: true`, also return this many most likely tokens "
+    "at each position; the server caps it at `--max-logprobs` (default 20).",
+)
+PromptLogprobs = _limited(_OptInt, "prompt_logprobs")
+TruncatePromptTokens = _limited(_OptInt, "truncate_prompt_tokens")
+Stop = _limited(str | list[str] | None, "stop")
+StopTokenIds = _limited(list[int] | None, "stop_token_ids")
+LogitBias = _limited(dict[str, float] | None, "logit_bias")
+Prompts = _limited(str | list[Any], "prompts")
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -105,29 +157,29 @@ class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by chat and completions requests (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    frequency_penalty: FrequencyPenalty = None
+    presence_penalty: PresencePenalty = None
+    logit_bias: LogitBias = None
+    n: N = 1
+    seed: Seed = None
+    stop: Stop = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Temperature = None
+    top_p: TopP = None
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    min_tokens: MinTokens = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    truncate_prompt_tokens: int | None = None
-    priority: Int64 = 0
+    truncate_prompt_tokens: TruncatePromptTokens = None
+    priority: Priority = 0
     echo: bool | None = False
     # structured outputs: OpenAI's response_format and vLLM's guided_* / structured_outputs
     response_format: dict[str, Any] | None = None
@@ -143,10 +195,12 @@ class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    logprobs: Annotated[
+        bool | None, msgspec.Meta(description="Return the log probability of each output token.")
+    ] = False
+    top_logprobs: TopLogprobs = None
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxCompletionTokens = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -181,13 +235,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
 class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     # str | list[str] | list[int] | list[list[int]]; msgspec cannot union several array types,
     # so the list forms are checked by `completions.normalize_prompts`.
-    prompt: str | list[Any]
-    best_of: int | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = 16
+    prompt: Prompts
+    best_of: BestOf = None
+    logprobs: Logprobs = None
+    max_tokens: MaxTokens = 16
     suffix: str | None = None
     add_special_tokens: bool = True
-    prompt_logprobs: int | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
