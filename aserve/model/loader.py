@@ -175,7 +175,7 @@ def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
     logger.info("--quantization fp8: %s scales, %s activations (served unquantized): %d of %d Linear layers fp8 "
                 "in the checkpoint; kernel: %s",
                 f"{list(spec.block_size)} block" if spec.block_size else "per-tensor / per-channel",
-                spec.activation_scheme, len({id(layer) for layer in targets.values()}),
+                spec.activation_scheme, len({id(layer) for layer, _ in targets.values()}),
                 len(assign.linear_layers(model)), fp8.KERNEL)
     return fp8.fp8_weights(iterate_weights(model_path, load_format), spec.block_size, targets)
 

@@ -47,6 +47,32 @@ def checkpoint_prefixes(model: nn.Module, name: str) -> list[str]:
     return [f"{parent}.{ckpt}" for _, ckpt in shards] or [name]
 
 
+def set_checkpoint_method(model: nn.Module, method: LinearMethodBase, prefixes: set[str],
+                          what: str) -> dict[str, tuple[Linear, int | None]]:
+    """Give `method` to every Linear whose checkpoint modules (`checkpoint_prefixes`) are all in
+    `prefixes` (the checkpoint's quantized modules); returns {checkpoint prefix: (layer, shard id or
+    None when unfused)}. ValueError, naming `what` (e.g. "gptq checkpoint"), for a fused layer fed by
+    quantized and float tensors, or a quantized module that is not a Linear (MoE experts)."""
+    targets: dict[str, tuple[Linear, int | None]] = {}
+    for name, layer in linear_layers(model):
+        feeds = checkpoint_prefixes(model, name)
+        quantized = [p for p in feeds if p in prefixes]
+        if not quantized:
+            continue
+        if len(quantized) != len(feeds):
+            raise ValueError(f"{what}: {name} fuses {feeds}, of which only {quantized} are quantized; "
+                             "mixed fused layers are not implemented")
+        layer.set_quant_method(method)
+        fused = len(feeds) > 1 or feeds != [name]
+        for shard, prefix in enumerate(feeds):
+            targets[prefix] = (layer, shard if fused else None)
+    unknown = sorted(prefixes - targets.keys())
+    if unknown:
+        raise ValueError(f"{what}: quantized modules {unknown[:4]} are not Linear layers aserve quantizes "
+                         "(quantized MoE experts are not implemented)")
+    return targets
+
+
 def set_load_time_method(model: nn.Module, method: LinearMethodBase) -> int:
     """Give `method` (int4 / int8, quantizing at load) to every layer whose shape it takes; returns
     how many layers took it (the others keep their float weight)."""

@@ -103,27 +103,10 @@ def assign_methods(model: nn.Module, spec: QuantSpec, prefixes: set[str]) -> dic
     """Give every Linear whose checkpoint modules are all quantized the checkpoint method; returns
     {checkpoint prefix: (layer, shard id)}. ValueError for a fused layer fed by quantized and float
     tensors, or a quantized module that is not a Linear (MoE experts)."""
-    from aserve.model.quantization.assign import checkpoint_prefixes, linear_layers
+    from aserve.model.quantization.assign import set_checkpoint_method
 
     method = CheckpointIntMethod(spec.method, spec.bits, spec.group_size)
-    targets: dict[str, tuple[Linear, int | None]] = {}
-    for name, layer in linear_layers(model):
-        feeds = checkpoint_prefixes(model, name)
-        quantized = [p for p in feeds if p in prefixes]
-        if not quantized:
-            continue
-        if len(quantized) != len(feeds):
-            raise ValueError(f"{spec.method} checkpoint: {name} fuses {feeds}, of which only {quantized} are "
-                             "quantized; mixed fused layers are not implemented")
-        layer.set_quant_method(method)
-        fused = len(feeds) > 1 or feeds != [name]
-        for shard, prefix in enumerate(feeds):
-            targets[prefix] = (layer, shard if fused else None)
-    unknown = sorted(prefixes - targets.keys())
-    if unknown:
-        raise ValueError(f"{spec.method} checkpoint: quantized modules {unknown[:4]} are not Linear layers aserve "
-                         "quantizes (quantized MoE experts are not implemented)")
-    return targets
+    return set_checkpoint_method(model, method, prefixes, f"{spec.method} checkpoint")
 
 
 def canonical_weights(weights: Iterable[tuple[str, torch.Tensor]], spec: QuantSpec,

@@ -125,28 +125,14 @@ def fp8_prefixes(names) -> set[str]:
     return out
 
 
-def assign_fp8_methods(model, block_size: tuple[int, int] | None, prefixes: set[str]) -> dict[str, Linear]:
-    """Give every Linear whose checkpoint modules are all fp8 the checkpoint method; {prefix: layer}.
-    ValueError for a fused layer fed by fp8 and float tensors, or fp8 modules that are not Linear layers."""
-    from aserve.model.quantization.assign import checkpoint_prefixes, linear_layers
+def assign_fp8_methods(model, block_size: tuple[int, int] | None,
+                       prefixes: set[str]) -> dict[str, tuple[Linear, int | None]]:
+    """Give every Linear whose checkpoint modules are all fp8 the checkpoint method (see
+    `assign.set_checkpoint_method`); {prefix: (layer, shard)}."""
+    from aserve.model.quantization.assign import set_checkpoint_method
 
     method = Fp8CheckpointMethod(None if block_size is None else block_size[1])
-    targets: dict[str, Linear] = {}
-    for name, layer in linear_layers(model):
-        feeds = checkpoint_prefixes(model, name)
-        quantized = [p for p in feeds if p in prefixes]
-        if not quantized:
-            continue
-        if len(quantized) != len(feeds):
-            raise ValueError(f"fp8 checkpoint: {name} fuses {feeds}, of which only {quantized} are fp8; "
-                             "mixed fused layers are not implemented")
-        layer.set_quant_method(method)
-        targets.update({p: layer for p in feeds})
-    unknown = sorted(prefixes - targets.keys())
-    if unknown:
-        raise ValueError(f"fp8 checkpoint: fp8 modules {unknown[:4]} are not Linear layers aserve quantizes "
-                         "(fp8 MoE experts are not implemented)")
-    return targets
+    return set_checkpoint_method(model, method, prefixes, "fp8 checkpoint")
 
 
 def fp8_canonical(q: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None, where: str
@@ -174,7 +160,7 @@ def fp8_canonical(q: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, i
     return q.contiguous(), s.contiguous()
 
 
-def fp8_weights(weights, block_size: tuple[int, int] | None, targets: dict[str, Linear]):
+def fp8_weights(weights, block_size: tuple[int, int] | None, targets: dict[str, tuple[Linear, int | None]]):
     """`weights` with each fp8 module's `weight` + scale replaced by `<module>.fp8_weight / .fp8_scale`
     (its `input_scale` dropped)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
