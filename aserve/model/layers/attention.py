@@ -52,3 +52,17 @@ class Attention(nn.Module):
             self.kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def split_qkv_heads(qkv: torch.Tensor, split, num_heads: int, num_kv_heads: int, head_dim: int,
+                    q_norm: nn.Module | None = None,
+                    k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused q|k|v projection's output `[T, (H + 2 KVH) * D]` (split by `split`, the layer's
+    `MergedLinear.split`) as q `[T, H, D]`, k `[T, KVH, D]`, v `[T, KVH * D]`; with norms, q and k are
+    normalized per head (rows of D: Qwen3, Gemma 3) before the caller's rotary."""
+    q, k, v = split(qkv)
+    num_tokens = qkv.shape[0]
+    if q_norm is not None and k_norm is not None:
+        q = q_norm(q.reshape(-1, head_dim))
+        k = k_norm(k.reshape(-1, head_dim))
+    return (q.reshape(num_tokens, num_heads, head_dim), k.reshape(num_tokens, num_kv_heads, head_dim), v)

@@ -18,7 +18,7 @@ from aserve.config import ArchConfig
 from aserve.config.families import GemmaFields
 from aserve.model.attention.base import AttentionBackend, AttentionMetadata
 from aserve.model.layers.activation import get_act_and_mul
-from aserve.model.layers.attention import Attention
+from aserve.model.layers.attention import Attention, split_qkv_heads
 from aserve.model.layers.embedding import LMHead, VocabEmbedding
 from aserve.model.layers.linear import Linear, MergedLinear
 from aserve.model.layers.norm import GemmaRMSNorm
@@ -44,13 +44,9 @@ class GemmaAttention(nn.Module):
 
     def forward(self, rotary: RotaryEmbedding, cos_sin: torch.Tensor, hidden: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k, v = split_qkv_heads(self.qkv_proj(hidden), self.qkv_proj.split, self.num_heads, self.num_kv_heads,
+                                  self.head_dim, self.q_norm, self.k_norm)
         num_tokens = hidden.shape[0]
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # per head: rows of head_dim
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, meta))
 
