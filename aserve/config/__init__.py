@@ -23,6 +23,7 @@ from aserve.config.schema import (
     DeviceConfig,
     KVCacheInfo,
     LoadConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RunnerConfig,
@@ -33,6 +34,6 @@ from aserve.config.schema import (
 __all__ = [
     "BUNDLED_MODEL_HUB_ID", "BUNDLED_MODEL_NAME", "DTYPE_CHOICES", "KV_CACHE_DTYPE_CHOICES", "LOAD_FORMATS", "RESOLVED_DTYPES",
     "SUPPORTED_ARCHITECTURES", "AserveConfig", "ArchConfig", "CacheConfig", "ConfigError", "DeviceConfig",
-    "EngineArgs", "GiB", "KVCacheInfo", "LoadConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
+    "EngineArgs", "GiB", "KVCacheInfo", "LoadConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
     "SchedulerConfig", "StructuredOutputsConfig", "cpu_has_native_bf16", "resolve_dtype",
 ]

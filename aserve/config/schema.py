@@ -120,6 +120,23 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's LoRA engine arguments). `max_loras` adapters may be active in one
+    step (each holds a slot of the stacked LoRA weights); `max_cpu_loras` (>= max_loras) stay loaded in
+    host memory, least recently used evicted first. `lora_dtype` is resolved: the model's dtype unless
+    set. With `enable_lora` False every other field is ignored and no layer is wrapped."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    lora_dtype: str = "float32"  # resolved: "float32" | "float16" | "bfloat16"
+    enable_lora_bias: bool = False
+    lora_extra_vocab_size: int = 256  # capacity only: adapters that add tokens are refused at load
+    fully_sharded_loras: bool = False
+
+
+@dataclass(frozen=True)
 class AserveConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -129,6 +146,7 @@ class AserveConfig:
     parallel: ParallelConfig
     runner: RunnerConfig
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora: LoRAConfig = LoRAConfig()
 
 
 @dataclass(frozen=True)
