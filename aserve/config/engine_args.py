@@ -28,6 +28,7 @@ from aserve.config.guided_decoding import (
     UNSHIPPED_GUIDED_BACKENDS,
     split_backend_options,
 )
+from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, REFUSED_METHODS, normalize_method
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
@@ -131,6 +132,17 @@ class EngineArgs:
     # the Hub revision of a model's remote code: aserve runs no remote code (refused with --trust-remote-code)
     code_revision: str | None = None
     kv_cache_memory_bytes: int | None = None  # the KV cache's size in bytes (beats the fraction-based sizing)
+    # Multi-LoRA serving (aserve/config/lora.py)
+    enable_lora: bool = False
+    enable_lora_bias: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    lora_extra_vocab_size: int = 256
+    fully_sharded_loras: bool = False
+    long_lora_scaling_factors: list[float] | None = None  # refused (LongLoRA)
+    qlora_adapter_name_or_path: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -158,6 +170,7 @@ class EngineArgs:
         self._reject_unimplemented()
         self.resolved_structured_outputs()
         parse_compilation_config(self.compilation_config)
+        validate_lora_args(self)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
                       cuda_available: bool = False) -> AserveConfig:

@@ -15,6 +15,7 @@ from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
 from aserve.config.families import normalize_keys
 from aserve.config.parallel import check_tensor_parallel
+from aserve.config.lora import resolve_lora_config
 from aserve.config.quantization import resolve_quantization
 from aserve.config.model_impl import (
     check_transformers_args,
@@ -157,6 +158,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             disable_async_output_proc=args.disable_async_output_proc,
         ),
         structured_outputs=args.resolved_structured_outputs(),
+        lora=resolve_lora_config(args, model_cfg.dtype, model_impl),
     )
 
 

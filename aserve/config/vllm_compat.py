@@ -21,7 +21,6 @@ logger = logging.getLogger("aserve.config")
 
 _TEXT_ONLY = "aserve serves text-only models (multimodal inputs are not implemented)"
 _PROMPT_ADAPTER = "prompt adapters were removed from vLLM (0.8) and are not implemented by aserve"
-_LORA = "LoRA adapters are not implemented yet (issue 21, LoRA)"
 _SPEC = "speculative decoding is not implemented yet (issue 22, speculative decoding)"
 _QUANT = "not implemented yet (issue 20, quantization)"
 _POOLING = "pooling / embedding models are not implemented yet (issue 23, pooling and --task)"
@@ -117,12 +116,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "logits_processor_pattern": _todo("str", None, "naming logits processors by qualified name in requests"),
     "middleware": _todo("list", None, "ASGI middleware by dotted path", server=True),
     # -- owned by other issues ----------------------------------------------------------------------
-    **{name: _refused(tp, default, _LORA) for name, tp, default in (
-        ("enable_lora", "bool", False), ("enable_lora_bias", "bool", False), ("max_loras", "int", 1),
-        ("max_lora_rank", "int", 16), ("fully_sharded_loras", "bool", False), ("max_cpu_loras", "int", None),
-        ("lora_dtype", "str", "auto"), ("lora_extra_vocab_size", "int", 256),
-        ("long_lora_scaling_factors", "str", None), ("qlora_adapter_name_or_path", "str", None))},
-    "lora_modules": _refused("list", None, _LORA, server=True),
     **{name: _refused(tp, default, _SPEC) for name, tp, default in (
         ("speculative_model", "str", None), ("speculative_model_quantization", "str", None),
         ("num_speculative_tokens", "int", None), ("speculative_draft_tensor_parallel_size", "int", None),

@@ -6,7 +6,8 @@ sees a Request object; it keeps its own per-request state keyed by `req_id`.
 Protocol, per step:
   * `new_requests`: requests the runner has not seen (or resumed after a recompute preemption):
     full token ids (prompt + outputs so far), sampling params, the full block table,
-    and `num_computed_tokens` (> 0 on a prefix-cache hit).
+    `num_computed_tokens` (> 0 on a prefix-cache hit) and the LoRA adapter, if any. The scheduler
+    never runs more than `max_loras` distinct adapters in one step.
   * `cached_requests`: requests the runner already holds; only what changed: blocks appended
     to the block table and the current `num_computed_tokens`.
   * `scheduled_req_ids[i]` gets `num_scheduled_tokens[i]` tokens this step, starting at its
@@ -25,6 +26,7 @@ from enum import IntEnum
 
 import msgspec
 
+from aserve.lora.request import LoRARequest
 from aserve.sampling_params import SamplingParams
 
 
@@ -36,6 +38,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     stop_token_ids_for_min_tokens: list[int]  # EOS + stop_token_ids, masked while len(outputs) < min_tokens
+    lora_request: LoRARequest | None = None  # the adapter (the runner loads it from its path if it lacks it)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):

@@ -7,7 +7,7 @@ going to the client whose head request arrived first. So a client with 200 reque
 starve another: the other's request is admitted as soon as a step has room for one. With a single
 client the queue is exactly first-come, first-served (preempted requests go back to the front).
 Preemption mirrors this: the scheduler takes memory back from the client with the most running
-requests first (`Scheduler._victim_index`).
+requests first (`core/preemption.py`).
 
 The scheduler calls `start_step(running)` before admitting requests, so the running counts are the
 batch's; `pop()` counts the popped request as running for the rest of the step.

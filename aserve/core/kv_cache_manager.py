@@ -79,7 +79,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         if len(hashes) < len(tokens) // self.block_size:
-            extend_block_hashes(hashes, tokens, self.block_size, None, self.hash_fn)
+            lora_id = request.lora_int_id
+            extend_block_hashes(hashes, tokens, self.block_size, (lora_id,) if lora_id else None, self.hash_fn)
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

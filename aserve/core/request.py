@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 
 from aserve.core.batch import EngineCoreEvent, EngineCoreEventType
+from aserve.lora.request import LoRARequest
 from aserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,8 @@ class Request:
     shares the leader's prompt blocks. `share_prefix` marks members of such a group; their full
     blocks are hashed and shared even when prefix caching is disabled. `client_id` names who sent
     it (a hash of the API key, or None) for fair sharing between clients (`core/fair_queue.py`).
+    `lora_request` names the adapter it runs with (None: the base model); its id is mixed into the
+    block hashes, so KV is shared between requests of one adapter and never across adapters.
     """
 
     __slots__ = (
@@ -58,6 +61,7 @@ class Request:
         "client_id",
         "eos_token_ids",
         "events",
+        "lora_request",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -85,6 +89,7 @@ class Request:
         max_model_len: int | None = None,
         share_prefix: bool = False,
         client_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -95,6 +100,7 @@ class Request:
         self.wait_for_req_id = wait_for_req_id
         self.share_prefix = share_prefix
         self.client_id = client_id
+        self.lora_request = lora_request
         if sampling_params.max_tokens is not None:
             self.max_tokens = sampling_params.max_tokens
         elif max_model_len is not None:
@@ -110,6 +116,11 @@ class Request:
         self.block_hashes: list[int] = []
         self.events: list[EngineCoreEvent] = []  # not yet reported in an EngineCoreOutput
         self._all_token_ids = list(prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,8 @@ shared fairly between clients, see `fair_queue`; priority: lower `priority` firs
 When a running request cannot get blocks, a running request is preempted (recompute, or swap when
 configured) and the allocation retried: under fcfs the latest admitted request of the client holding
 the most running requests (a flooding client loses memory first; with one client, the last running
-request); under priority the lowest-ranked one (`_victim_index`).
+request); under priority the lowest-ranked one (`core/preemption.py`). At most `max_loras` LoRA
+adapters run at once (`core/lora_slots.py`).
 
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run);
 `update()` appends the sampled tokens and applies the stop rules. The protocol with the runner is
@@ -17,7 +18,6 @@ described in `aserve.core.batch`.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
@@ -31,6 +31,8 @@ from aserve.core.batch import (
 )
 from aserve.core.fair_queue import FairQueue
 from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.lora_slots import LoRASlots, adapter_names
+from aserve.core.preemption import victim_index
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import FCFSQueue, PriorityQueue
 from aserve.core.stats import SchedulerStats
@@ -42,7 +44,8 @@ _RUNNING = RequestStatus.RUNNING
 class Scheduler:
     """Owns the request queues and the KV cache manager. Not thread-safe: one caller at a time."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_info: KVCacheInfo) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_info: KVCacheInfo,
+                 max_loras: int | None = None) -> None:  # max_loras None: LoRA is off
         mode = scheduler_config.preemption_mode or "recompute"  # validated with the engine arguments
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -62,6 +65,7 @@ class Scheduler:
         self.waiting: FairQueue | PriorityQueue = PriorityQueue() if self.priority_policy else FairQueue()
         self.swapped: FCFSQueue | PriorityQueue = PriorityQueue() if self.priority_policy else FCFSQueue()
         self.running: list[Request] = []
+        self.lora_slots = LoRASlots(max_loras)
         self.num_preemptions = 0  # cumulative
         self._reported = (0, 0, 0)  # prefix-cache queries, hits, preemptions at the last make_stats()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
@@ -160,8 +164,11 @@ class Scheduler:
         # 2. Swapped requests come back before new ones are admitted; nothing is admitted in a step
         # that preempted (the blocks just freed would be fought over).
         if not preempted:
+            self.lora_slots.start_step(running)
             while len(self.swapped) and budget > 0 and len(running) < self.max_num_seqs:
                 req = self.swapped.peek()
+                if not self.lora_slots.can_admit(req):
+                    break
                 remaining = req.num_tokens - req.num_computed_tokens
                 num_new = min(remaining, budget)
                 if num_new < remaining and not chunked:
@@ -169,6 +176,7 @@ class Scheduler:
                 if not kv.can_swap_in(req, num_new):
                     break
                 self.swapped.pop()
+                self.lora_slots.admit(req)
                 swap_in.extend(kv.swap_in(req))
                 req.status = RequestStatus.RUNNING
                 running.append(req)
@@ -223,7 +231,8 @@ class Scheduler:
             waiting.start_step(running)
         while len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
             req = waiting.peek()
-            if req.wait_for_req_id is not None and not self._leader_ready(req.wait_for_req_id):
+            if ((req.wait_for_req_id is not None and not self._leader_ready(req.wait_for_req_id))
+                    or not self.lora_slots.can_admit(req)):
                 skipped.append(waiting.pop())
                 continue
             computed_blocks, num_cached = kv.get_computed_blocks(req)
@@ -239,6 +248,7 @@ class Scheduler:
             if blocks is None:
                 break
             waiting.pop()
+            self.lora_slots.admit(req)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -260,21 +270,8 @@ class Scheduler:
             return False
         return leader.num_computed_tokens >= leader.num_prompt_tokens
 
-    def _victim_index(self) -> int:
-        """The index in `running` of the request to preempt when a running request cannot get blocks
-        (recompute and swap alike); `running` is not empty.
-
-        fcfs: the request latest in `running` (latest admitted) of the client (`client_id`) holding
-        the most running requests, so a client flooding the batch gives up its memory before another
-        client's request is touched; between clients with equal counts, the one owning the request
-        latest in `running`. With a single client this is the last running request. priority: explicit
-        priorities decide, clients do not: the largest `priority` value, then the latest arrival, then
-        the latest in `running`. O(len(running)).
-        """
-        running = self.running
-        if self.priority_policy:
-            return max(range(len(running)), key=lambda j: (running[j].priority, running[j].arrival_time, j))
-        return _fair_share_victim_index(running)
+    def _victim_index(self) -> int:  # the running request to preempt (core/preemption.py)
+        return victim_index(self.running, self.priority_policy)
 
     def _preempt(self, idx: int, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
                  swap_out: list[tuple[int, int]]) -> int:
@@ -313,6 +310,7 @@ class Scheduler:
             block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
             num_computed_tokens=req.num_computed_tokens,
             stop_token_ids_for_min_tokens=stop_ids,
+            lora_request=req.lora_request,
         )
 
     # -- update ----------------------------------------------------------------------------------
@@ -387,6 +385,8 @@ class Scheduler:
             num_used_blocks=kv.num_used_blocks,
             num_total_blocks=kv.num_total_blocks,
             num_tokens_in_used_blocks=num_tokens,
+            running_lora_adapters=adapter_names(self.running),
+            waiting_lora_adapters=adapter_names(self.waiting),
             prefix_cache_queries=queries - self._reported[0],
             prefix_cache_hits=hits - self._reported[1],
             num_preemptions=self.num_preemptions - self._reported[2],
@@ -398,10 +398,3 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (nothing done) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
-
-
-def _fair_share_victim_index(running: list[Request]) -> int:
-    """The index of the last request in `running` whose client holds the most requests in `running`."""
-    num_running = Counter(req.client_id for req in running)
-    most = max(num_running.values())
-    return next(j for j in range(len(running) - 1, -1, -1) if num_running[running[j].client_id] == most)

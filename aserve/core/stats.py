@@ -7,7 +7,7 @@ Prometheus counter `.inc(delta)`) and never has to turn totals back into deltas.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,6 +20,8 @@ class SchedulerStats:
     num_used_blocks: int = 0
     num_total_blocks: int = 0
     num_tokens_in_used_blocks: int = 0  # computed tokens held by the running requests' blocks
+    running_lora_adapters: list[str] = field(default_factory=list)  # adapter names of running requests
+    waiting_lora_adapters: list[str] = field(default_factory=list)  # ... of waiting requests (not running)
     # Counters (deltas since the previous make_stats()).
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found

@@ -95,6 +95,16 @@ _ENGINE_HELP = {
     "ignore_patterns": "weight files to skip (fnmatch globs inside the model folder; also not downloaded)",
     "code_revision": "Hub revision of the model's remote code (refused with --trust-remote-code)",
     "kv_cache_memory_bytes": "KV-cache size in bytes (beats the --gpu-memory-utilization sizing)",
+    "enable_lora": "serve LoRA adapters (--lora-modules, or loaded at run time)",
+    "enable_lora_bias": "accept adapters whose lora_B has a bias",
+    "max_loras": "the most adapters active in one batch (more wait for a free slot)",
+    "max_lora_rank": "the largest adapter rank accepted",
+    "max_cpu_loras": "adapters kept loaded in host memory (least recently used evicted)",
+    "lora_dtype": "dtype of the LoRA weights: auto (the model's), float16, bfloat16, float32",
+    "lora_extra_vocab_size": "extra vocabulary an adapter may add (adapters adding tokens are refused)",
+    "fully_sharded_loras": "shard both LoRA matmuls across tensor-parallel ranks (no-op with one rank; refused with more)",
+    "long_lora_scaling_factors": "LongLoRA scaling factors (refused: LongLoRA is not implemented)",
+    "qlora_adapter_name_or_path": "a QLoRA adapter over a bitsandbytes base (refused: not implemented)",
 }
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 _ENGINE_DEFAULTS = {
@@ -123,6 +133,7 @@ _ENGINE_DEFAULTS = {
     "revision": "None: the latest",
     "tokenizer_revision": "None: the latest",
     "code_revision": "None: the latest",
+    "max_cpu_loras": "None: --max-loras",
 }
 _SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
                   "compilation_config": "-O", "quantization": "-q"}
@@ -242,6 +253,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 kwargs["action"] = "store_true"
         elif typing.get_origin(tp) is dict:
             kwargs["type"] = _json_object(flag)
+        elif typing.get_origin(tp) is list:  # list[float]: one or more numbers
+            kwargs["nargs"], kwargs["type"] = "+", typing.get_args(tp)[0]
         elif typing.get_args(tp) and list in {typing.get_origin(a) for a in typing.get_args(tp)}:
             kwargs["nargs"] = "+"  # str | list[str]: one or more names
         elif tp in (int, float, str):
