@@ -9,6 +9,7 @@ from typing import Any
 from aserve.config import ConfigError, EngineArgs
 from aserve.engine.llm_engine import LLMEngine
 from aserve.engine.stats import IntervalStatLineLogger
+from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from aserve.server.chat_template import ChatRenderer, load_flag_template, resolve_chat_template
@@ -63,10 +64,13 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in the prompts' order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        `lora_request`: one adapter for every prompt, or one `LoRARequest | None` per prompt (needs
+        `enable_lora=True`); each adapter is loaded on first use (LoRAAdapterError if it cannot be).
         """
         items = self._normalize_prompts(prompts, prompt_token_ids)
         if sampling_params is None:
@@ -79,19 +83,42 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(items)} prompts")
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"priority: got {len(priority)} values for {len(items)} prompts")
+        loras = self._lora_requests(lora_request, len(items))
         ids: list[str] = []
         try:
             for i, ((text, token_ids), params) in enumerate(zip(items, params_list)):
                 request_id = self.engine.next_request_id()
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0, lora_request=loras[i])
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # one bad prompt rejects the call; nothing is left queued
                 self.engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def _lora_requests(self, lora_request, num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each registered with the engine (loaded on first use)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * num_prompts
+        else:
+            loras = list(lora_request)
+            if len(loras) != num_prompts:
+                raise ValueError(f"lora_request: got {len(loras)} for {num_prompts} prompts")
+        for lora in {r for r in loras if r is not None}:
+            self.engine.add_lora(lora)
+        return loras
+
+    # -- adapters (vLLM's LLM.llm_engine.add_lora / remove_lora / list_loras) -----------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,

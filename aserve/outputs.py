@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aserve.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -71,6 +73,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: RequestError | None = None  # set when the request failed (its outputs end with "error")
+    lora_request: LoRARequest | None = None  # the adapter it ran with (None: the base model)
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

@@ -30,6 +30,8 @@ FORBIDDEN = {
     # what the executor (in the engine's process) imports from it: no torch
     "distributed/rendezvous.py": ["torch", "aserve.config", "aserve.core", "aserve.model", "aserve.runner"],
     "distributed/__init__.py": ["torch"],
+    "lora": ["torch", "aserve.core", "aserve.engine", "aserve.server", "aserve.model", "aserve.runner",
+             "aserve.executor"],
     "engine": ["torch", "starlette", "aserve.server", "aserve.model.", "aserve.runner"],
     "server": ["torch", "triton", "aserve.core", "aserve.model.", "aserve.runner", "aserve.kernels", "aserve.executor"],
 }

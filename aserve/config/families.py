@@ -297,3 +297,44 @@ FAMILY_PARSERS["Qwen3MoeForCausalLM"] = lambda cfg: _moe_fields(cfg, "Qwen3MoeFo
 DERIVED_KEYS["MixtralForCausalLM"] = _mixtral_derived
 # Qwen2-MoE's q/k/v bias is `qkv_bias` (default True; o_proj never has one); it reads no attention_bias.
 DERIVED_KEYS["Qwen2MoeForCausalLM"] = lambda cfg: {"attention_bias": bool(cfg.get("qkv_bias", True))}
+
+
+# -- Encoders (issue 23: pooling models) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class BertFields:
+    """BERT encoders (`BertModel`, `BertForSequenceClassification`): post-norm blocks, learned absolute
+    positions, token-type embeddings."""
+
+    layer_norm_eps: float
+    type_vocab_size: int  # rows of the token-type table (0: none)
+    pad_token_id: int | None
+    num_labels: int  # the classifier's outputs (ForSequenceClassification)
+    id2label: tuple[str, ...]  # label names by index ("LABEL_i" where config.json names none)
+
+
+def _bert_fields(cfg: dict[str, Any]) -> BertFields:
+    require_key(cfg, "position_embedding_type", lambda v: v in (None, "absolute"),
+                "only absolute position embeddings are implemented")
+    require_key(cfg, "is_decoder", lambda v: not v, "a BERT decoder is not implemented")
+    require_key(cfg, "add_cross_attention", lambda v: not v, "not implemented")
+    require_key(cfg, "hidden_act", lambda a: a in (None, *NON_GATED_ACTIVATIONS),
+                f"not implemented (supported: {', '.join(NON_GATED_ACTIVATIONS)})")
+    id2label = cfg.get("id2label") or {}
+    num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels))
+    return BertFields(
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        pad_token_id=cfg.get("pad_token_id", 0),
+        num_labels=num_labels,
+        id2label=labels,
+    )
+
+
+for _bert in ("BertModel", "BertForSequenceClassification"):
+    FAMILY_PARSERS[_bert] = _bert_fields
+    # BertConfig's class defaults where the common fields' generic ones differ; BERT has every bias.
+    KEY_DEFAULTS[_bert] = {"hidden_act": "gelu", "max_position_embeddings": 512}
+    DERIVED_KEYS[_bert] = lambda cfg: {"attention_bias": True, "num_key_value_heads": int(cfg["num_attention_heads"]),
+                                       "tie_word_embeddings": False}

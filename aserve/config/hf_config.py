@@ -25,6 +25,11 @@ SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "
                                      "OPTForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                      "Qwen3MoeForCausalLM"})
 
+# Encoder-only pooling architectures (issue 23; aserve/model/models/bert.py): bidirectional attention,
+# no KV cache, no LM head. Kept apart from SUPPORTED_ARCHITECTURES (the generating ones), so the
+# generate path never admits them; aserve/model/models/registry.py checks POOLING_MODEL_CLASSES against it.
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
+
 # Architectures refused with a reason beyond "no model class" (appended to the refusal).
 REFUSAL_REASONS = {
     "Gemma3ForConditionalGeneration": " (the image-text Gemma 3; aserve serves text-only checkpoints: "
@@ -77,6 +82,12 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...]
     layer_sliding_windows: tuple[int | None, ...] = ()
     family: Any = None
+
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder-only pooling architecture (`ENCODER_ARCHITECTURES`): bidirectional, no KV cache,
+        serves embeddings / scores only (its default pooling: aserve/model/pooling/config.py)."""
+        return self.architecture in ENCODER_ARCHITECTURES
 
     def sliding_window_of(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: full attention)."""

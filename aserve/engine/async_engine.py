@@ -26,8 +26,10 @@ from aserve.core.stats import SchedulerStats
 from aserve.engine.builder import ExecutorFactory
 from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.llm_engine import LLMEngine
+from aserve.engine.lora_registry import LoRARegistry
 from aserve.engine.stats import StatLogger
 from aserve.executor.base import make_executor
+from aserve.lora.request import LoRARequest
 from aserve.outputs import CompletionOutput, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -117,6 +119,8 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.overlap = not engine.config.runner.disable_async_output_proc
+        # The executor runs one call at a time: a step, or an adapter load between steps (FIFO).
+        self._executor_lock = anyio.Lock()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
@@ -159,19 +163,45 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, priority: int = 0, client_id: str | None = None) -> RequestStream:
+                    params: SamplingParams, priority: int = 0, client_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Validates (raises SamplingParamsError naming the field) and queues a request; `client_id`
-        (a hash of the API key, never the key) shares the batch fairly between clients."""
+        (a hash of the API key, never the key) shares the batch fairly between clients;
+        `lora_request` must be registered (`add_lora`)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error}")
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         stream = RequestStream(request_id, params.output_kind)
         stream.prompt_token_ids = self.engine.add_request(
-            request_id, prompt, params, prompt_token_ids, priority, client_id=client_id)
+            request_id, prompt, params, prompt_token_ids, priority, client_id=client_id, lora_request=lora_request)
         self.streams[request_id] = stream
         self._wakeup.set()
         return stream
+
+    # -- adapters ---------------------------------------------------------------------------------
+    @property
+    def loras(self) -> LoRARegistry:
+        """The registered adapters (read-only use: register through `add_lora`)."""
+        return self.engine.loras
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter between steps (requests keep running). True if it was new;
+        LoRAAdapterError names what is wrong with it."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error}")
+        if self.engine.loras.is_registered(lora_request):
+            return False
+        async with self._executor_lock:
+            return await anyio.to_thread.run_sync(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Forget the adapter named `name` (requests already running with it finish with it)."""
+        lora_request = self.engine.loras.get(name)
+        if lora_request is None:
+            return False
+        async with self._executor_lock:
+            return await anyio.to_thread.run_sync(self.engine.remove_lora, lora_request.lora_int_id)
 
     def queued_load(self, count_tokens: bool = True) -> tuple[int, int]:
         """(requests waiting, running or swapped: each sample of an n > 1 request counts one; their
@@ -205,7 +235,8 @@ class AsyncEngine:
     async def _execute(self, so: SchedulerOutput, result: list) -> None:
         """Runs the step on a worker thread; an error is stored, not raised, so it is not wrapped in a group."""
         try:
-            result.append(await anyio.to_thread.run_sync(self.engine.core.execute_model, so))
+            async with self._executor_lock:
+                result.append(await anyio.to_thread.run_sync(self.engine.core.execute_model, so))
         except Exception as exc:
             result.append(exc)
 

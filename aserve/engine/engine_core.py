@@ -19,6 +19,7 @@ from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
 from aserve.core.stats import SchedulerStats
 from aserve.executor.base import Executor
+from aserve.lora.request import LoRARequest
 
 
 @dataclass
@@ -38,7 +39,8 @@ class EngineCore:
         self._executor = executor
         self.runner_info = info
         kv = KVCacheInfo(num_blocks=info.num_blocks, num_cpu_blocks=info.num_cpu_blocks, block_size=info.block_size)
-        self.scheduler = Scheduler(config.scheduler, config.cache, kv)
+        lora = config.lora
+        self.scheduler = Scheduler(config.scheduler, config.cache, kv, lora.max_loras if lora.enable_lora else None)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,6 +89,14 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.schedule()
         return self.update(scheduler_output, self.execute_model(scheduler_output))
+
+    # -- adapters (never while execute_model runs) ---------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter into the runner (blocking); LoRAAdapterError names what is wrong with it."""
+        self._executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._executor.remove_lora(lora_int_id)
 
     def shutdown(self) -> None:
         self._executor.shutdown()

@@ -25,6 +25,7 @@ import msgspec
 
 from aserve.config import AserveConfig
 from aserve.core.request import Request
+from aserve.lora.request import LoRARequest
 from aserve.structured_outputs.params import GrammarCompileError
 from aserve.structured_outputs.registry import SpecChecker
 from aserve.sampling_params import INT64_MIN, SamplingParams, SamplingParamsError, show
@@ -138,7 +139,8 @@ class InputProcessor:
         return ids
 
     def make_requests(self, sample_ids: list[str], prompt_token_ids: list[int], params: SamplingParams,
-                      arrival_time: float, priority: int, client_id: str | None = None) -> list[Request]:
+                      arrival_time: float, priority: int, client_id: str | None = None,
+                      lora_request: LoRARequest | None = None) -> list[Request]:
         """One scheduler request per sample; samples after the first wait for the first's prompt and
         then share its prompt blocks by reference. `client_id` (who sent it) is for fair sharing."""
         num = len(sample_ids)
@@ -157,5 +159,6 @@ class InputProcessor:
             requests.append(Request(
                 sid, prompt_token_ids, child, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                 priority=priority, wait_for_req_id=sample_ids[0] if i > 0 else None,
-                max_model_len=self.max_model_len, share_prefix=num > 1, client_id=client_id))
+                max_model_len=self.max_model_len, share_prefix=num > 1, client_id=client_id,
+                lora_request=lora_request))
         return requests

@@ -16,7 +16,10 @@ from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.input_processor import InputProcessor
 from aserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from aserve.engine.stats import StatLogger
+from aserve.engine.lora_registry import LoRARegistry
 from aserve.executor.base import make_executor
+from aserve.lora.errors import LoRAAdapterError
+from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -31,6 +34,7 @@ class LLMEngine:
         self.inputs = InputProcessor(parts.config, parts.tokenizer, parts.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.loras = LoRARegistry(parts.config.lora.enable_lora, parts.config.lora.max_lora_rank)
         self._ids = itertools.count()
 
     @classmethod
@@ -47,9 +51,14 @@ class LLMEngine:
     # -- intake -----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
-                    arrival_time: float | None = None, client_id: str | None = None) -> list[int]:
+                    arrival_time: float | None = None, client_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> list[int]:
         """Validates and queues a request. Returns its prompt token ids. Raises SamplingParamsError.
-        `client_id` names who sent it (the server passes a hash of the API key) for fair sharing."""
+        `client_id` names who sent it (the server passes a hash of the API key) for fair sharing.
+        `lora_request` must be registered (`add_lora`)."""
+        if lora_request is not None and not self._lora_registered(lora_request):
+            raise SamplingParamsError("lora_request", f"adapter {lora_request.lora_name!r} is not loaded "
+                                      "(add_lora first)")
         if self.outputs.has_request(request_id):
             raise SamplingParamsError("request_id", f"request {request_id!r} is already running")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -57,10 +66,36 @@ class LLMEngine:
         token_ids = self.inputs.process_prompt(prompt, prompt_token_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
         user_logprobs = params.logprobs is not None
-        sample_ids = self.outputs.add_request(request_id, prompt, token_ids, params, user_logprobs, arrival)
-        for request in self.inputs.make_requests(sample_ids, token_ids, params, arrival, priority, client_id):
+        sample_ids = self.outputs.add_request(request_id, prompt, token_ids, params, user_logprobs, arrival,
+                                              lora_request)
+        for request in self.inputs.make_requests(sample_ids, token_ids, params, arrival, priority, client_id,
+                                                 lora_request):
             self.core.add_request(request)
         return token_ids
+
+    def _lora_registered(self, lora_request: LoRARequest) -> bool:
+        try:
+            return self.loras.is_registered(lora_request)
+        except LoRAAdapterError as e:
+            raise SamplingParamsError("lora_request", str(e)) from None
+
+    # -- adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) ------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter (blocking; never while a step runs). True if it was new;
+        LoRAAdapterError names what is wrong with it."""
+        return self.loras.register(lora_request, self.core.add_lora)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already running with it finish with it)."""
+        lora_request = self.loras.get_by_id(lora_int_id)
+        if lora_request is None:
+            return False
+        self.loras.unregister(lora_request.lora_name)
+        self.core.remove_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self.loras.list()}
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Frees the request's KV blocks now; returns its final output (finish_reason 'abort')."""

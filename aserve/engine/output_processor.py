@@ -20,6 +20,7 @@ import logging
 from aserve.core.batch import EngineCoreEventType, EngineCoreOutput, TokenLogprobs
 from aserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, decode_token_texts
 from aserve.engine.stats import FinishedRequestStats, IterationStats
+from aserve.lora.request import LoRARequest
 from aserve.outputs import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,6 +62,7 @@ class RequestState:
     last_token_time: float | None = None
     num_finished: int = 0
     error: RequestError | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,7 +84,8 @@ class OutputProcessor:
         self.sample_owner: dict[str, tuple[RequestState, SampleState]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, user_wants_logprobs: bool, arrival_time: float) -> list[str]:
+                    params: SamplingParams, user_wants_logprobs: bool, arrival_time: float,
+                    lora_request: LoRARequest | None = None) -> list[str]:
         """Registers a request; returns the sample request ids the engine must schedule."""
         num = params.num_samples
         samples = []
@@ -103,6 +106,7 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             stop_hold_back=max((len(s) for s in params.stop or ()), default=1) - 1
             if not params.include_stop_str_in_output else 0,
+            lora_request=lora_request,
         )
         self.requests[request_id] = state
         for s in samples:
@@ -309,7 +313,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs, outputs=completions, finished=finished, metrics=state.metrics,
-            num_cached_tokens=state.num_cached_tokens, error=state.error)
+            num_cached_tokens=state.num_cached_tokens, error=state.error, lora_request=state.lora_request)
 
     def _finished_stats(self, state: RequestState, now: float) -> FinishedRequestStats:
         m = state.metrics
@@ -330,4 +334,5 @@ class OutputProcessor:
             decode_time=decode_time,
             inference_time=max(now - scheduled, 0.0),
             mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
+            lora_name=state.lora_request.lora_name if state.lora_request is not None else None,
         )

@@ -35,6 +35,7 @@ class FinishedRequestStats:
     decode_time: float
     inference_time: float
     mean_time_per_output_token: float
+    lora_name: str | None = None  # the adapter it ran with (None: the base model)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
+from aserve.lora.request import LoRARequest
 
 
 class ExecutorDeadError(RuntimeError):
@@ -23,6 +24,16 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one step. Blocking: the async engine calls it from a worker thread. Failures one request owns
         come back in `RunnerOutput.failed_requests`; any other failure raises ExecutorDeadError (fatal)."""
+        ...
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter into the runner's host cache (blocking; never concurrently with
+        `execute`). Raises LoRAAdapterError (the adapter's fault: the runner is unharmed) or
+        ExecutorDeadError."""
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the runner's caches; False if it held none with that id."""
         ...
 
     def shutdown(self) -> None: ...

@@ -28,6 +28,8 @@ from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.rendezvous import Rendezvous, local_rendezvous
 from aserve.executor.base import ExecutorDeadError
+from aserve.lora.errors import LoRAAdapterError
+from aserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ _decode_info = msgspec.msgpack.Decoder(RunnerInfo)
 
 # Message tags (first byte) on the pipe.
 _EXECUTE, _SHUTDOWN, _OK, _ERROR = b"E", b"S", b"O", b"X"
+_ADD_LORA, _REMOVE_LORA, _ADAPTER_ERROR = b"L", b"R", b"A"  # an adapter error leaves the worker running
+_decode_lora = msgspec.msgpack.Decoder(LoRARequest)
 
 
 def _limit_threads(world_size: int) -> None:
@@ -82,12 +86,27 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
         if tag == _SHUTDOWN:
             shutdown_distributed()
             return
+        if tag in (_ADD_LORA, _REMOVE_LORA):
+            conn.send_bytes(_lora_call(runner, tag, body))
+            continue
         try:
             out = runner.execute(_decode_so.decode(body))
             conn.send_bytes(_OK + (_encoder.encode(out) if rank == 0 else b""))
         except BaseException:
             conn.send_bytes(_ERROR + traceback.format_exc().encode())
             return
+
+
+def _lora_call(runner, tag: bytes, body: bytes) -> bytes:
+    """Run an adapter call; any failure is the adapter's (its files, its shapes), never the worker's."""
+    try:
+        if tag == _ADD_LORA:
+            runner.add_lora(_decode_lora.decode(body))
+            return _OK
+        return _OK + (b"1" if runner.remove_lora(int(body)) else b"0")
+    except Exception as exc:  # noqa: BLE001
+        message = str(exc) if isinstance(exc, LoRAAdapterError) else f"{type(exc).__name__}: {exc}"
+        return _ADAPTER_ERROR + message.encode()
 
 
 class ProcessExecutor:
@@ -121,8 +140,9 @@ class ProcessExecutor:
                         rendezvous.init_method)
         return _decode_info.decode(self._recv_all())
 
-    def _recv_all(self) -> bytes:
-        """One reply from every rank; rank 0's body. Watches every worker's sentinel meanwhile."""
+    def _recv_all(self, every: bool = False):
+        """One reply from every rank: rank 0's body (`every`: the list of bodies, in rank order).
+        Watches every worker's sentinel meanwhile."""
         pending = set(range(len(self._conns)))
         replies: dict[int, bytes] = {}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
@@ -137,7 +157,7 @@ class ProcessExecutor:
                 rank = sentinels.get(sentinel)
                 if rank is not None and not self._conns[rank].poll():  # died without a last word
                     self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})")
-        return replies[0]
+        return [replies[r] for r in range(len(self._conns))] if every else replies[0]
 
     def _recv_one(self, rank: int) -> bytes:
         try:
@@ -146,7 +166,7 @@ class ProcessExecutor:
             self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})", exc)
         if msg[:1] == _ERROR:
             self._fail(f"{self._who(rank)} failed:\n" + msg[1:].decode(errors="replace"))
-        return msg[1:]
+        return msg if msg[:1] == _ADAPTER_ERROR else msg[1:]
 
     def _who(self, rank: int) -> str:
         return "model worker" if self.world_size == 1 else f"model worker (tensor-parallel rank {rank})"
@@ -166,16 +186,33 @@ class ProcessExecutor:
                 proc.join(timeout=5)
         raise ExecutorDeadError(message) from cause
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def _broadcast(self, body: bytes) -> None:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
-        body = _EXECUTE + _encoder.encode(scheduler_output)
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(body)
             except (BrokenPipeError, OSError) as exc:
                 self._fail(f"{self._who(rank)} process is gone", exc)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self._broadcast(_EXECUTE + _encoder.encode(scheduler_output))
         return _decode_ro.decode(self._recv_all())
+
+    def _adapter_call(self, body: bytes) -> bytes:
+        """Every rank runs it; LoRAAdapterError if any rank refused the adapter (rank order)."""
+        self._broadcast(body)
+        replies = self._recv_all(every=True)
+        refused = [r for r in replies if r[:1] == _ADAPTER_ERROR]
+        if refused:
+            raise LoRAAdapterError(refused[0][1:].decode(errors="replace"))
+        return replies[0]
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self._adapter_call(_ADD_LORA + _encoder.encode(lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._adapter_call(_REMOVE_LORA + str(int(lora_int_id)).encode()) == b"1"
 
     @property
     def pid(self) -> int | None:

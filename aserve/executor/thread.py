@@ -9,6 +9,8 @@ from typing import Any
 from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.executor.base import ExecutorDeadError
+from aserve.lora.errors import LoRAAdapterError
+from aserve.lora.request import LoRARequest
 
 
 def _model_runner(config: AserveConfig) -> Any:
@@ -47,6 +49,20 @@ class ThreadExecutor:
         except Exception as exc:
             self._dead = exc
             raise ExecutorDeadError(f"model runner failed: {exc!r}") from exc
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Raises LoRAAdapterError for any failure to load the adapter (the runner's state is unchanged)."""
+        if self._dead is not None:
+            raise ExecutorDeadError(f"model runner failed earlier: {self._dead!r}")
+        try:
+            self.runner.add_lora(lora_request)
+        except LoRAAdapterError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - unreadable files etc. belong to the adapter
+            raise LoRAAdapterError(f"{type(exc).__name__}: {exc}") from exc
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.remove_lora(lora_int_id)
 
     def shutdown(self) -> None:
         self.runner = None

@@ -27,6 +27,9 @@ from aserve.config.parallel import rank_arch_config
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.collectives import all_reduce_min
 from aserve.distributed.context import SINGLE, ParallelContext
+from aserve.lora.errors import LoRAAdapterError
+from aserve.lora.request import LoRARequest
+from aserve.model.forward_context import set_forward_context
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
@@ -66,6 +69,7 @@ class ModelRunner:
         self.arch = rank_arch_config(config.model.arch, parallel.tp_size)  # this rank's heads and widths
         self.backend = make_attention_backend(config.runner.attention_backend)
         self.model = None
+        self.lora = None  # RunnerLoRA with --enable-lora (after load_model)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
@@ -82,6 +86,10 @@ class ModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = load_model(self.config, self.backend, self.device, self.parallel)
+        if self.config.lora.enable_lora:
+            from aserve.runner.lora_step import RunnerLoRA
+
+            self.lora = RunnerLoRA(self.model, self.config.lora, self.device)
         logger.info("Loaded %s (%s, %s) in %.1fs", self.arch.architecture, self.config.model.dtype,
                     self.device, time.perf_counter() - start)
 
@@ -207,6 +215,8 @@ class ModelRunner:
             self.structured.remove(new.req_id)
             raise
         sampling.grammar = guided
+        if self.lora is not None:
+            self.lora.add_request(new.req_id, new.lora_request)
         self.states[new.req_id] = CachedRequestState(
             req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=num_prompt, params=new.sampling_params,
             block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, sampling=sampling)
@@ -214,6 +224,8 @@ class ModelRunner:
     def _remove_request(self, req_id: str) -> None:
         state = self.states.pop(req_id, None)
         self.structured.remove(req_id)
+        if self.lora is not None:
+            self.lora.remove_request(req_id)
         if state is not None:
             self.sampler.states.remove(state.sampling)
 
@@ -223,6 +235,16 @@ class ModelRunner:
             failed[req_id] = message
             prompt_logprobs.pop(req_id, None)
             self._remove_request(req_id)
+
+    # -- adapters (between steps) ------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter into the host cache; LoRAAdapterError names what is wrong."""
+        if self.lora is None:
+            raise LoRAAdapterError("LoRA is not enabled (--enable-lora)")
+        self.lora.add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora is not None and self.lora.remove_adapter(lora_int_id)
 
     def _update_request(self, cached: CachedRequestData) -> None:
         state = self.states[cached.req_id]
@@ -248,8 +270,11 @@ class ModelRunner:
         return build_model_inputs(self.states, req_ids, num_tokens, self.block_size, self.device,
                                   pad_to_num_seqs=pad_to)
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs, lora_active: bool = False) -> torch.Tensor:
+        """Steps with LoRA tokens run eagerly: graphs and the compiled decode hold no LoRA work."""
         meta = inputs.meta
+        if lora_active:
+            return self.model(inputs.input_ids, inputs.positions, meta)
         if self.compiled_decode is not None and self.compiled_decode.can_run(meta, inputs.input_ids.shape[0]):
             return self.compiled_decode.run(inputs.input_ids, inputs.positions, meta)
         g = self.graph_runner
@@ -273,13 +298,22 @@ class ModelRunner:
                 failed[new.req_id] = f"could not set up sampling for this request: {type(e).__name__}: {e}"
         for cached in so.cached_requests:
             self._update_request(cached)
+        if self.lora is not None:  # requests whose adapter cannot be loaded fail alone
+            for req_id, message in self.lora.load_missing(so.scheduled_req_ids).items():
+                failed[req_id] = message
+                self._remove_request(req_id)
         scheduled = [(r, n) for r, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens) if r not in failed]
         if not scheduled:
             return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 
         inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled])
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
-        hidden = self._forward(inputs)
+        if self.lora is None:
+            hidden = self._forward(inputs)
+        else:
+            context = self.lora.forward_context(inputs)
+            with set_forward_context(context):
+                hidden = self._forward(inputs, lora_active=context.lora is not None)
 
         prompt_logprobs = {}
         for req_id, (start, count, first_target) in inputs.prompt_logprob_spans.items():

@@ -1,0 +1,2 @@
+"""Pooling models (issue 23): which hidden rows make a sequence's embedding or score (`config.py`,
+torch-free) and the poolers that compute them over a packed batch (`pooler.py`)."""

@@ -1,0 +1,94 @@
+"""Poolers: a packed batch's hidden rows `[T, H]` -> one vector per sequence `[num_seqs, H']` float32
+(or, for ALL, one `[len_i, H']` tensor per sequence), as a `PoolerConfig` says.
+
+The batch is described by `query_start_loc` (`[num_seqs + 1]` cumulative row counts, a host list or a
+tensor): sequence i owns rows `[query_start_loc[i], query_start_loc[i + 1])` and those rows are its
+whole prompt (encoders; a causal embedder's one-step prefill). For a causal embedder under chunked
+prefill, pass only the sequences whose last chunk is in this step: LAST needs just that chunk's last
+row; MEAN, CLS and ALL need every row of the prompt in one step.
+
+Order of operations, as sentence-transformers and vLLM: pool, then keep the first `dimensions`
+values (Matryoshka), then L2-normalize; a classifier's logits get softmax (sigmoid with one label).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from aserve.model.pooling.config import PoolerConfig, PoolingType
+
+
+def pool_hidden(hidden: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
+                pooling_type: PoolingType) -> torch.Tensor | list[torch.Tensor]:
+    """Pool `hidden [T, H]` per sequence in float32: `[num_seqs, H]`, or for ALL a list of `[len_i, H]`."""
+    starts = torch.as_tensor(query_start_loc, dtype=torch.int64, device=hidden.device)
+    lens = starts[1:] - starts[:-1]
+    if pooling_type == PoolingType.CLS:
+        return hidden[starts[:-1]].float()
+    if pooling_type == PoolingType.LAST:
+        return hidden[starts[1:] - 1].float()
+    if pooling_type == PoolingType.MEAN:
+        seq_of_row = torch.repeat_interleave(torch.arange(lens.numel(), device=hidden.device), lens)
+        sums = torch.zeros(lens.numel(), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, seq_of_row, hidden[:int(starts[-1])].float())
+        return sums / lens.unsqueeze(-1).to(torch.float32)
+    if pooling_type == PoolingType.ALL:
+        bounds = starts.tolist()
+        return [hidden[a:b].float() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    raise ValueError(f"unknown pooling type {pooling_type!r}")
+
+
+def _finish(x: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
+    if config.dimensions is not None:
+        if config.dimensions > x.shape[-1]:
+            raise ValueError(f"dimensions={config.dimensions} exceeds the model's {x.shape[-1]}")
+        x = x[..., :config.dimensions]
+    if config.normalize:
+        x = F.normalize(x, p=2, dim=-1)
+    return x
+
+
+class Pooler:
+    """Embeddings: `pooler(hidden [T, H], query_start_loc)` -> `[num_seqs, H']` float32 (ALL: a list of
+    `[len_i, H']`), pooled, truncated and normalized as `config` (resolved: `pooling_type` set) says."""
+
+    def __init__(self, config: PoolerConfig):
+        if config.pooling_type is None:
+            raise ValueError("a Pooler needs a resolved PoolerConfig (pooling_type set)")
+        self.config = config
+
+    def __call__(self, hidden: torch.Tensor,
+                 query_start_loc: Sequence[int] | torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        pooled = pool_hidden(hidden, query_start_loc, self.config.pooling_type)
+        if isinstance(pooled, list):
+            return [_finish(rows, self.config) for rows in pooled]
+        return _finish(pooled, self.config)
+
+
+class ClassifierPooler:
+    """Cross-encoders / classifiers: `pooler(hidden, query_start_loc)` -> `[num_seqs, num_labels]` float32:
+    the rows `config.pooling_type` picks (CLS by default) through `classify` (the model's head, e.g.
+    `BertForSequenceClassification.classify`), then softmax over the labels when `config.softmax`
+    (sigmoid when there is one label)."""
+
+    def __init__(self, config: PoolerConfig, classify: Callable[[torch.Tensor], torch.Tensor]):
+        if config.pooling_type in (None, PoolingType.ALL):
+            raise ValueError(f"a classifier needs one row per sequence, not pooling_type {config.pooling_type}")
+        self.config = config
+        self.classify = classify
+
+    def __call__(self, hidden: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        pooled = pool_hidden(hidden, query_start_loc, self.config.pooling_type)
+        logits = self.classify(pooled.to(hidden.dtype)).float()
+        if self.config.softmax:
+            return logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(-1)
+        return logits
+
+
+def build_pooler(model: torch.nn.Module, config: PoolerConfig) -> Pooler | ClassifierPooler:
+    """The pooler for `model` (a `classify` method means a classifier head) under a resolved `config`."""
+    classify = getattr(model, "classify", None)
+    return ClassifierPooler(config, classify) if callable(classify) else Pooler(config)
