@@ -84,7 +84,7 @@ class TorchEncoderAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata,
                 scale: float) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         if num_kv_heads != num_heads:  # grouped-query heads: each KV head serves H / KVH query heads
             k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)

@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from aserve.config import ArchConfig
-from aserve.model.attention.bidirectional import EncoderAttentionBackend, EncoderMetadata, TorchEncoderAttentionBackend
+from aserve.model.attention.bidirectional import (
+    EncoderAttentionBackend,
+    EncoderMetadata,
+    TorchEncoderAttentionBackend,
+)
 from aserve.model.layers.activation import get_act_fn
 from aserve.model.layers.embedding import PositionEmbedding, VocabEmbedding
 from aserve.model.layers.linear import Linear, MergedLinear
@@ -194,8 +198,7 @@ class BertModel(EncoderModel):
         return self.bert(input_ids, positions, meta, token_type_ids)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if name.startswith("bert."):
-            name = name[len("bert."):]
+        name = name.removeprefix("bert.")
         if name.startswith("cls.") or name == "embeddings.position_ids":
             return None
         if name.startswith("pooler.") and not self.with_pooler:

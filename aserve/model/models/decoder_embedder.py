@@ -7,6 +7,7 @@ weights are the causal model's; only the LM head is gone.
 from __future__ import annotations
 
 import torch
+
 from aserve.config import ArchConfig
 from aserve.model.attention.base import AttentionBackend
 from aserve.model.models.base import CausalLM

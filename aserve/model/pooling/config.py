@@ -66,7 +66,7 @@ def parse_pooler_config(value: str | dict[str, Any] | None, flag: str = "--overr
         except json.JSONDecodeError as e:
             raise ValueError(f"{flag}: not valid JSON ({e})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{flag}: expected a JSON object, got {type(value).__name__}")
+        raise ValueError(f"{flag}: expected a JSON object, got {type(value).__name__}")  # noqa: TRY004 (a flag's value)
     unknown = sorted(set(value) - set(_OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"{flag}: unknown field(s) {unknown}; supported: {list(_OVERRIDE_KEYS)}")
@@ -114,7 +114,7 @@ def read_sentence_transformers_config(model_path: str) -> PoolerConfig | None:
     if modules is None:
         return None
     if not isinstance(modules, list):
-        raise ValueError(f"{model_path}/modules.json: expected a list of modules")
+        raise ValueError(f"{model_path}/modules.json: expected a list of modules")  # noqa: TRY004 (a file's content)
     pooling_type: PoolingType | None = None
     normalize = False
     for module in modules:

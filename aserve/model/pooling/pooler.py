@@ -13,6 +13,7 @@ values (Matryoshka), then L2-normalize; a classifier's logits get softmax (sigmo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,7 +38,7 @@ def pool_hidden(hidden: torch.Tensor, query_start_loc: Sequence[int] | torch.Ten
         return sums / lens.unsqueeze(-1).to(torch.float32)
     if pooling_type == PoolingType.ALL:
         bounds = starts.tolist()
-        return [hidden[a:b].float() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [hidden[a:b].float() for a, b in itertools.pairwise(bounds)]
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 
 

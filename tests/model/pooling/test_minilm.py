@@ -88,12 +88,11 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("ASERVE_CACHE_DIR", str(tmp_path_factory.mktemp("aserve-cache")))
     from aserve.model_source import resolve_model
 
-    return resolve_model("all-minilm")
+    with pytest.MonkeyPatch.context() as mp:  # a private cache: the extraction runs here, once
+        mp.setenv("ASERVE_CACHE_DIR", str(tmp_path_factory.mktemp("aserve-cache")))
+        yield resolve_model("all-minilm")
 
 
 @pytest.fixture(scope="module")
