@@ -34,7 +34,7 @@ class LLMEngine:
         self.inputs = InputProcessor(parts.config, parts.tokenizer, parts.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self.loras = LoRARegistry(parts.config.lora.enable_lora, parts.config.lora.max_lora_rank)
+        self.loras = LoRARegistry(parts.config.lora.enable_lora, parts.config.lora.max_loras)
         self._ids = itertools.count()
 
     @classmethod

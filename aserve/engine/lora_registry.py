@@ -17,9 +17,9 @@ from aserve.lora.request import LoRARequest
 
 
 class LoRARegistry:
-    def __init__(self, enabled: bool, max_lora_rank: int) -> None:
+    def __init__(self, enabled: bool, max_loras: int) -> None:
         self.enabled = enabled
-        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras  # adapters active at once (for the metrics)
         self._by_name: dict[str, LoRARequest] = {}
         self._by_id: dict[int, LoRARequest] = {}
 

@@ -22,10 +22,16 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import triton
-import triton.language as tl
 
-from .triton_utils import SUM_COMBINE, cdiv, check_same_device, check_tensor, launchable, next_power_of_2
+try:  # the CPU path needs no triton (the model imports this module on every platform)
+    import triton
+    import triton.language as tl
+
+    from .triton_utils import SUM_COMBINE, cdiv, check_same_device, check_tensor, launchable, next_power_of_2
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - platforms without triton
+    HAVE_TRITON = False
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -78,79 +84,86 @@ def lora_delta_cpu(x: torch.Tensor, mapping: SlotGroups, lora_a: torch.Tensor, l
 
 
 # -- CUDA: per-token slot, Triton ---------------------------------------------------------------------
-@triton.jit
-def _lora_shrink_kernel(
-    x_ptr,  # [T, K]
-    a_ptr,  # [S, N, K]
-    slots_ptr,  # [T] int32, -1 = no adapter
-    out_ptr,  # [T, N] float32
-    N,
-    K,
-    stride_x,
-    stride_as,
-    stride_an,
-    stride_o,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    slot = tl.load(slots_ptr + tok).to(tl.int64)
-    acc = tl.full([BLOCK_N], 0.0, tl.float32)
-    if slot >= 0:
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            xv = tl.load(x_ptr + tok * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + slot * stride_as + rows[:, None] * stride_an + ks[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.reduce(a * xv[None, :], 1, SUM_COMBINE)
-    tl.store(out_ptr + tok * stride_o + rows, acc, mask=row_mask)
-
-
-@triton.jit
-def _lora_expand_kernel(
-    s_ptr,  # [T, R * NUM_SHARDS] float32 (rank-major)
-    b_ptr,  # [S, OUT, R]
-    bias_ptr,  # [S, OUT]; read only if HAS_BIAS
-    slots_ptr,  # [T] int32
-    y_ptr,  # [T, OUT], updated in place
-    n_out,  # rows of this shard
-    R,
-    shard,
-    num_shards,
-    out_offset,
-    stride_s,
-    stride_bs,
-    stride_bn,
-    stride_bias,
-    stride_y,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + tok).to(tl.int64)
-    if slot >= 0:
+if HAVE_TRITON:
+    @triton.jit
+    def _lora_shrink_kernel(
+        x_ptr,  # [T, K]
+        a_ptr,  # [S, N, K]
+        slots_ptr,  # [T] int32, -1 = no adapter
+        out_ptr,  # [T, N] float32
+        N,
+        K,
+        stride_x,
+        stride_as,
+        stride_an,
+        stride_o,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < n_out
-        rs = tl.arange(0, BLOCK_R)
-        r_mask = rs < R
-        sv = tl.load(s_ptr + tok * stride_s + rs * num_shards + shard, mask=r_mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + slot * stride_bs + (out_offset + rows)[:, None] * stride_bn + rs[None, :],
-                    mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-        acc = tl.reduce(b * sv[None, :], 1, SUM_COMBINE)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + slot * stride_bias + out_offset + rows, mask=row_mask, other=0.0).to(tl.float32)
-        y_rows = y_ptr + tok * stride_y + out_offset + rows
-        yv = tl.load(y_rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(y_rows, (yv + acc).to(y_ptr.dtype.element_ty), mask=row_mask)
+        row_mask = rows < N
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        acc = tl.full([BLOCK_N], 0.0, tl.float32)
+        if slot >= 0:
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                xv = tl.load(x_ptr + tok * stride_x + ks, mask=k_mask, other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + slot * stride_as + rows[:, None] * stride_an + ks[None, :],
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+                acc += tl.reduce(a * xv[None, :], 1, SUM_COMBINE)
+        tl.store(out_ptr + tok * stride_o + rows, acc, mask=row_mask)
+
+
+    @triton.jit
+    def _lora_expand_kernel(
+        s_ptr,  # [T, R * NUM_SHARDS] float32 (rank-major)
+        b_ptr,  # [S, OUT, R]
+        bias_ptr,  # [S, OUT]; read only if HAS_BIAS
+        slots_ptr,  # [T] int32
+        y_ptr,  # [T, OUT], updated in place
+        n_out,  # rows of this shard
+        R,
+        shard,
+        num_shards,
+        out_offset,
+        stride_s,
+        stride_bs,
+        stride_bn,
+        stride_bias,
+        stride_y,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
+        if slot >= 0:
+            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = rows < n_out
+            rs = tl.arange(0, BLOCK_R)
+            r_mask = rs < R
+            sv = tl.load(s_ptr + tok * stride_s + rs * num_shards + shard, mask=r_mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + slot * stride_bs + (out_offset + rows)[:, None] * stride_bn + rs[None, :],
+                        mask=row_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+            acc = tl.reduce(b * sv[None, :], 1, SUM_COMBINE)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + slot * stride_bias + out_offset + rows, mask=row_mask, other=0.0).to(tl.float32)
+            y_rows = y_ptr + tok * stride_y + out_offset + rows
+            yv = tl.load(y_rows, mask=row_mask, other=0.0).to(tl.float32)
+            tl.store(y_rows, (yv + acc).to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _need_triton() -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError("the LoRA CUDA kernels need triton, which is not installed")
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     """`out [T, N]` float32 with `out[t] = lora_a[slot[t]] @ x[t]` (zeros where slot is -1), for
-    `x [T, K]`, `lora_a [S, N, K]`, `token_slots [T]` int32 on x's device."""
+    `x [T, K]`, `lora_a [S, N, K]`, `token_slots [T]` int32 on x's device. Needs triton."""
+    _need_triton()
     check_tensor("x", x, 2, FLOAT_DTYPES)
     check_tensor("lora_a", lora_a, 3, FLOAT_DTYPES)
     check_tensor("token_slots", token_slots, 1, (torch.int32,))
@@ -178,7 +191,8 @@ def lora_expand(shrunk: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.T
                 output_slices: Sequence[int], lora_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Add `lora_b[slot[t]] @ shrunk[t]` (+ `lora_bias[slot[t]]`) into `y [T, out]` in place (y's
     dtype, fp32 accumulation), shard by shard (`output_slices`, see the module docstring); tokens of
-    slot -1 keep their row. `shrunk [T, R * n]` as `lora_shrink` returns it. Returns y."""
+    slot -1 keep their row. `shrunk [T, R * n]` as `lora_shrink` returns it. Returns y. Needs triton."""
+    _need_triton()
     check_tensor("shrunk", shrunk, 2, FLOAT_DTYPES)
     check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES)
     check_tensor("y", y, 2, FLOAT_DTYPES)

@@ -14,6 +14,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,12 @@ class CudaGraphRunner:
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], sizes: list[int], max_blocks: int,
-                 max_seq_len_to_capture: int, device: torch.device):
+                 max_seq_len_to_capture: int, device: torch.device,
+                 capture_context: Callable[[int], ContextManager] | None = None):
+        """`capture_context(size)`: entered around each size's warm-up and capture (the LoRA forward
+        context over the static per-token slot buffer, which replays then read)."""
         self.forward = forward
+        self.capture_context = capture_context
         self.sizes = sizes
         self.max_blocks = max_blocks
         self.max_seq_len_to_capture = max_seq_len_to_capture
@@ -91,12 +96,13 @@ class CudaGraphRunner:
         for size in reversed(self.sizes):
             meta = self._meta(size)
             ids, pos = self._input_ids[:size], self._positions[:size]
-            for _ in range(2):  # warm up (autotuning, lazy init) outside the graph
-                self.forward(ids, pos, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.forward(ids, pos, meta)
+            with self.capture_context(size) if self.capture_context is not None else nullcontext():
+                for _ in range(2):  # warm up (autotuning, lazy init) outside the graph
+                    self.forward(ids, pos, meta)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.forward(ids, pos, meta)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = _Graph(graph, ids, pos, meta, out)

@@ -11,7 +11,7 @@ import torch
 
 from aserve.config import LoRAConfig
 from aserve.lora.request import LoRARequest
-from aserve.model.forward_context import ForwardContext
+from aserve.model.forward_context import ForwardContext, set_forward_context
 from aserve.model.lora.manager import LoRAModelManager
 from aserve.runner.input_batch import ModelInputs
 
@@ -58,6 +58,12 @@ class RunnerLoRA:
             if lora_id in refused:
                 failed[req_id] = refused[lora_id]
         return failed
+
+    def graph_capture_context(self, num_tokens: int):
+        """The forward context a CUDA graph of `num_tokens` rows is captured in: the LoRA kernels read
+        the manager's static per-token slot buffer, which each replay refills."""
+        self.manager.static_token_slots(num_tokens)
+        return set_forward_context(ForwardContext(lora=self.manager.static_mapping(num_tokens)))
 
     def forward_context(self, inputs: ModelInputs) -> ForwardContext:
         """The step's forward context: every token's adapter slot (padding rows: none)."""

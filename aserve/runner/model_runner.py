@@ -29,7 +29,7 @@ from aserve.distributed.collectives import all_reduce_min
 from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.lora.errors import LoRAAdapterError
 from aserve.lora.request import LoRARequest
-from aserve.model.forward_context import set_forward_context
+from aserve.model.forward_context import ForwardContext, set_forward_context
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
@@ -194,7 +194,8 @@ class ModelRunner:
         # No sequence outgrows max_model_len: a smaller cap keeps the captured decode work small.
         max_len = min(self.config.runner.max_seq_len_to_capture, self.config.model.max_model_len)
         self.graph_runner = CudaGraphRunner(
-            self.model, self.static_sizes, self.max_blocks_per_seq, max_len, self.device)
+            self.model, self.static_sizes, self.max_blocks_per_seq, max_len, self.device,
+            self.lora.graph_capture_context if self.lora is not None else None)
         seconds = self.graph_runner.capture()
         logger.info("Captured CUDA graphs for decode batch sizes %s in %.1fs", self.static_sizes, seconds)
 
@@ -270,18 +271,25 @@ class ModelRunner:
         return build_model_inputs(self.states, req_ids, num_tokens, self.block_size, self.device,
                                   pad_to_num_seqs=pad_to)
 
-    def _forward(self, inputs: ModelInputs, lora_active: bool = False) -> torch.Tensor:
-        """Steps with LoRA tokens run eagerly: graphs and the compiled decode hold no LoRA work."""
+    def _forward(self, inputs: ModelInputs, context: ForwardContext | None = None) -> torch.Tensor:
+        """`context`: the step's forward context (LoRA slots). CUDA graphs read the LoRA slots from the
+        static buffer they were captured with; the CPU compiled decode holds no LoRA work, so steps
+        with LoRA tokens run eagerly there."""
         meta = inputs.meta
-        if lora_active:
-            return self.model(inputs.input_ids, inputs.positions, meta)
-        if self.compiled_decode is not None and self.compiled_decode.can_run(meta, inputs.input_ids.shape[0]):
+        lora = context.lora if context is not None else None
+        if (lora is None and self.compiled_decode is not None
+                and self.compiled_decode.can_run(meta, inputs.input_ids.shape[0])):
             return self.compiled_decode.run(inputs.input_ids, inputs.positions, meta)
         g = self.graph_runner
         if (g is not None and meta.num_decodes == meta.num_seqs and meta.num_seqs in g.graphs
                 and g.can_run(meta.num_seqs, meta.max_seq_len, meta.block_tables.shape[1])):
+            if self.lora is not None:
+                self.lora.manager.fill_static_token_slots(lora)
             return g.run(inputs.input_ids, inputs.positions, meta)
-        return self.model(inputs.input_ids, inputs.positions, meta)
+        if context is None:
+            return self.model(inputs.input_ids, inputs.positions, meta)
+        with set_forward_context(context):
+            return self.model(inputs.input_ids, inputs.positions, meta)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -308,12 +316,7 @@ class ModelRunner:
 
         inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled])
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
-        if self.lora is None:
-            hidden = self._forward(inputs)
-        else:
-            context = self.lora.forward_context(inputs)
-            with set_forward_context(context):
-                hidden = self._forward(inputs, lora_active=context.lora is not None)
+        hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
 
         prompt_logprobs = {}
         for req_id, (start, count, first_target) in inputs.prompt_logprob_spans.items():

@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from aserve.server import chat, completions, misc
+from aserve.server import chat, completions, lora, misc
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
 from aserve.server.errors import APIError, body_too_large, http_error
@@ -159,9 +159,18 @@ def _internal_error_handler(request: Request, exc: Exception) -> Response:
     return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").to_response()
 
 
-def _operations() -> list[Operation]:
-    """Every API route with its request and response types (the source of routes and OpenAPI)."""
-    return [
+def _operations(runtime_lora_updates: bool = False) -> list[Operation]:
+    """Every API route with its request and response types (the source of routes and OpenAPI);
+    `runtime_lora_updates` adds vLLM's adapter load / unload routes."""
+    lora_ops = [
+        Operation("POST", "/v1/load_lora_adapter", lora.load_lora_adapter,
+                  "Load a LoRA adapter under a name (vLLM API; needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+                  request=lora.LoadLoRAAdapterRequest, text_response="text/plain"),
+        Operation("POST", "/v1/unload_lora_adapter", lora.unload_lora_adapter,
+                  "Unload a LoRA adapter (vLLM API; needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+                  request=lora.UnloadLoRAAdapterRequest, text_response="text/plain"),
+    ] if runtime_lora_updates else []
+    return lora_ops + [
         Operation(
             "POST",
             "/v1/chat/completions",
@@ -217,7 +226,7 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
     state = ServerState.create(engine, args)
     engine.add_stat_logger(state.metrics)
     engine.add_stat_logger(state.drain_rate)
-    operations = _operations()
+    operations = _operations(runtime_lora_updates=state.lora_enabled and lora.runtime_updates_allowed())
     doc = openapi_document(
         operations,
         title="aserve",

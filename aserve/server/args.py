@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
+from aserve.server.lora_modules import LoRAModule, parse_lora_modules
 from aserve.config.engine_args import LOAD_FORMATS
 from aserve.config.resolve import _DEFAULT_TOKEN_BUDGET
 from aserve.config.vllm_compat import add_compat_arguments, apply_compat
@@ -170,6 +171,8 @@ class ServerArgs:
     max_request_body_bytes: int = 32 * 1024 * 1024  # 0: unbounded
     request_timeout: float | None = None  # seconds; None: no timeout
 
+    lora_modules: tuple[LoRAModule, ...] = ()  # adapters loaded before serving (aserve/server/lora.py)
+
     # tool calling and reasoning (issue 12)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -289,6 +292,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "auto = string (default: auto)",
     )
     g.add_argument("--response-role", default="assistant", help="role of generated chat messages")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='LoRA adapters to serve (needs --enable-lora), each name=path or a JSON object '
+                   '{"name": ..., "path": ..., "base_model_name": ...}; a request names one as its model')
     g.add_argument(
         "--allowed-origins",
         type=_json_str_list("--allowed-origins"),
@@ -446,6 +452,9 @@ def split_namespace(
         server_values["api_key"] = environ.get("ASERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         server_values[name] = tuple(server_values[name])
+    server_values["lora_modules"] = parse_lora_modules(server_values.get("lora_modules"))
+    if server_values["lora_modules"] and not engine_args.enable_lora:
+        raise ValueError("--lora-modules: needs --enable-lora")
     parser = (engine_args.structured_outputs_config or {}).get("reasoning_parser")
     if parser is not None:  # vLLM's newer home of --reasoning-parser: the same setting
         given = server_values.get("reasoning_parser")

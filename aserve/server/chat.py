@@ -192,7 +192,7 @@ async def create_chat_completion(request: Request) -> Response:
         await state.run_blocking(state.check_guided_decoding, params)  # compiles off the event loop
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = state.add_request(
-            request_id, prompt, prompt_ids, params, req.priority, client_id_of(request)
+            request_id, prompt, prompt_ids, params, req.priority, client_id_of(request), state.lora_request_for(model)
         )
     if len(outputs.prompt_token_ids) < len(prompt_ids):  # truncated: the rendered text no longer matches
         prompt_ids = outputs.prompt_token_ids

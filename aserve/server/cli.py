@@ -10,6 +10,7 @@ from aserve.config import ConfigError
 from aserve.server.args import ServerArgs, make_parser, parse_args
 from aserve.server.chat_template import load_flag_template
 from aserve.server.launch import PortInUseError, bind_socket, python_log_level, run
+from aserve.server.lora import LoRAModulesError
 
 logger = logging.getLogger("aserve.server")
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(build_engine, server_args, sock)
-    except StartupError as exc:
+    except (StartupError, LoRAModulesError) as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -166,7 +166,7 @@ async def create_completion(request: Request) -> Response:
             with sampling_errors_as_400({**fields, "prompt": param}):
                 outputs = state.add_request(
                     entry_id, raw if isinstance(raw, str) else None, ids, params, req.priority,
-                    client_id_of(request),
+                    client_id_of(request), state.lora_request_for(model),
                 )
             kept = outputs.prompt_token_ids
             text = raw if isinstance(raw, str) and len(kept) == len(ids) else ""

@@ -31,6 +31,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from aserve.server.app import create_app
 from aserve.server.args import ServerArgs
+from aserve.server.lora import register_lora_modules
 from aserve.server.metrics import LoggingStatLogger
 from aserve.server.state import EngineClient
 
@@ -172,6 +173,8 @@ async def serve(
     Returns after a graceful shutdown; raises EngineDiedError after shutting down if the engine died.
     """
     stop = stop or anyio.Event()
+    if args.lora_modules:  # before serving: a bad adapter stops the start-up (LoRAModulesError naming it)
+        await register_lora_modules(engine, args.lora_modules, engine.model_config.served_model_names)
     app = create_app(engine, args)
     state = app.state.aserve
     sock = sock or bind_socket(args.host, args.port)

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from aserve.engine.stats import IterationStats, SchedulerStats, StatLineLogger
+from aserve.server.lora_metrics import LoRAMetrics
 
 logger = logging.getLogger("aserve.server.stats")
 
@@ -54,7 +55,9 @@ def token_buckets(max_value: int) -> list[float]:
 class PrometheusStatLogger:
     """A StatLogger that keeps aserve's Prometheus metrics in its own registry."""
 
-    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
+                 max_loras: int | None = None):
+        """`max_loras`: LoRA is enabled with this many adapter slots (adds `lora_metrics.py`'s series)."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -140,6 +143,7 @@ class PrometheusStatLogger:
                 metric.labels(model_name=model_name)
         for reason in ("stop", "length"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
+        self.lora = LoRAMetrics(model_name, max_loras, reg) if max_loras is not None else None
 
     def _label(self, metric: Any, **extra: str) -> Any:
         return metric.labels(model_name=self.model_name, **extra)
@@ -176,6 +180,10 @@ class PrometheusStatLogger:
                 tpot.observe(value)
         for req in it.finished_requests:
             self._record_finished(req)
+        if self.lora is not None:
+            self.lora.record_adapters(s.running_lora_adapters, s.waiting_lora_adapters)
+            for req in it.finished_requests:
+                self.lora.record_finished(req)
 
     def _record_finished(self, req: Any) -> None:
         label = self._label

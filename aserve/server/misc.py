@@ -45,6 +45,9 @@ async def list_models(request: Request) -> Response:
         ModelCard(id=name, created=created, root=root, max_model_len=state.max_model_len)
         for name in state.served_model_names
     ]
+    base = state.served_model_names[0]
+    cards += [ModelCard(id=lora.lora_name, created=created, root=lora.lora_path, max_model_len=state.max_model_len,
+                        parent=lora.base_model_name or base) for lora in state.engine.loras.list()]
     return _json(ModelList(data=cards))
 
 

@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from importlib import metadata
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
 from aserve.config import ModelConfig
+from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
 from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
@@ -25,6 +26,9 @@ from aserve.server.chat_template import ChatRenderer, resolve_chat_template
 from aserve.server.errors import APIError, RequestFailed, overloaded
 from aserve.server.metrics import PrometheusStatLogger
 from aserve.server.retry_after import DrainRate
+
+if TYPE_CHECKING:
+    from aserve.engine.lora_registry import LoRARegistry
 
 logger = logging.getLogger("aserve.server")
 
@@ -68,7 +72,15 @@ class EngineClient(Protocol):
         params: SamplingParams,
         priority: int = 0,
         client_id: str | None = None,  # a hash of the API key (fair sharing), never the key
+        lora_request: LoRARequest | None = None,
     ) -> PromptStream: ...
+
+    @property
+    def loras(self) -> LoRARegistry: ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool: ...
+
+    async def remove_lora(self, name: str) -> bool: ...
 
     def queued_load(self, count_tokens: bool = True) -> tuple[int, int]: ...
 
@@ -141,7 +153,8 @@ class ServerState:
             model_config=model_config,
             tokenizer=tokenizer,
             renderer=ChatRenderer(tokenizer, template),
-            metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len),
+            metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len,
+                                         max_loras=engine.loras.max_loras if engine.loras.enabled else None),
             drain_rate=DrainRate(),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
@@ -156,18 +169,27 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.loras.enabled
+
     def check_model(self, requested: str | None) -> str:
-        """The model name to answer with; an unknown name is a 404."""
+        """The model name to answer with (a served name or a loaded LoRA adapter's); an unknown name is a 404."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        if requested not in self.served_model_names and self.engine.loras.get(requested) is None:
+            adapters = [r.lora_name for r in self.engine.loras.list()]
             raise APIError(
                 404,
-                f"The model `{requested}` does not exist. Served models: {list(self.served_model_names)}",
+                f"The model `{requested}` does not exist. Served models: {list(self.served_model_names) + adapters}",
                 param="model",
                 code="model_not_found",
             )
         return requested
+
+    def lora_request_for(self, model: str) -> LoRARequest | None:
+        """The adapter a checked `model` name denotes (None: the base model)."""
+        return None if model in self.served_model_names else self.engine.loras.get(model)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run tokenizer/template work in a worker thread, one at a time (the tokenizer is shared)."""
@@ -183,6 +205,7 @@ class ServerState:
         params: SamplingParams,
         priority: int,
         client_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> PromptStream:
         """Hand a request to the engine. Raises SamplingParamsError (naming the field in
         SamplingParams' terms: the handler maps it to a 400), a 429 APIError over an admission cap
@@ -193,7 +216,8 @@ class ServerState:
         self.check_admission(prompt_token_ids, params)
         self.log_request(request_id, prompt, prompt_token_ids, params)
         try:
-            stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, client_id)
+            stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, client_id,
+                                             lora_request)
             return _RaisingOnError(stream)
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
             raise APIError(

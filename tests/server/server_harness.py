@@ -51,8 +51,9 @@ class RecordingAsyncEngine(AsyncEngine):
         self.aborted: list[str] = []
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, priority: int = 0, client_id: str | None = None) -> RequestStream:
-        stream = super().add_request(request_id, prompt, prompt_token_ids, params, priority, client_id)
+                    params: SamplingParams, priority: int = 0, client_id: str | None = None,
+                    lora_request=None) -> RequestStream:
+        stream = super().add_request(request_id, prompt, prompt_token_ids, params, priority, client_id, lora_request)
         self.added.append(AddedRequest(request_id, list(stream.prompt_token_ids), params, priority))
         return stream
 

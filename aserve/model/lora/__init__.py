@@ -9,7 +9,13 @@ The kernels are in `aserve/kernels/lora_ops.py`; the per-step context in `aserve
 """
 
 from aserve.model.lora.adapter import LoRAAdapter, LoRAAdapterError, load_peft_adapter
-from aserve.model.lora.layers import LoRALinearMethod, LoRAShardWeights, add_lora_to_layer, clear_slot, set_slot
+from aserve.model.lora.layers import (
+    LoRALinearMethod,
+    LoRAShardWeights,
+    add_lora_to_layer,
+    clear_slot,
+    set_slot,
+)
 from aserve.model.lora.manager import LoRAModelManager
 from aserve.model.lora.mapping import LoRABatchMapping, build_lora_mapping
 

@@ -27,18 +27,16 @@ import torch
 from torch import nn
 
 from aserve.config import LoRAConfig
+from aserve.lora.errors import LoRAAdapterError
 from aserve.model.layers.linear import Linear, MergedLinear
 from aserve.model.lora.layers import LORA_DTYPES, LoRAShardWeights, full_input_size, full_output_sizes
+
 
 _PEFT_PREFIX = "base_model.model."
 # <module>.lora_A.weight | <module>.lora_B.weight | <module>.lora_B.bias (an adapter name may precede the leaf)
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.(?P<leaf>weight|bias)$")
 _EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "wpe", "embed_positions", "embed_in", "embed_out")
 _ADDED_TOKEN_FILES = ("new_embeddings.safetensors", "new_embeddings.bin", "added_tokens.json")
-
-
-class LoRAAdapterError(ValueError):
-    """The adapter cannot be served; the message names the adapter and the problem."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +147,7 @@ def _read_tensors(folder: Path, where: str) -> dict[str, torch.Tensor]:
             return load_file(str(safetensors_file), device="cpu")
         if bin_file.is_file():
             return torch.load(str(bin_file), map_location="cpu", weights_only=True)
-    except Exception as e:  # a corrupt file: report it as the adapter's problem
+    except Exception as e:  # noqa: BLE001 - a corrupt file of any kind is the adapter's problem
         raise LoRAAdapterError(f"{where}: cannot read the adapter weights: {e}") from None
     raise LoRAAdapterError(f"{where}: no adapter_model.safetensors or adapter_model.bin")
 

@@ -116,7 +116,7 @@ def add_lora_to_layer(layer: Linear, lora_config: LoRAConfig, device: torch.devi
     `device`. Call after `process_weights_after_loading` (and after any tensor-parallel form is set).
     ValueError if the layer is already wrapped or the LoRA dtype is unknown."""
     if isinstance(layer.quant_method, LoRALinearMethod):
-        raise ValueError(f"{layer!r} already takes LoRA")
+        raise ValueError(f"{layer!r} already takes LoRA")  # noqa: TRY004 - a state error, not a type error
     try:
         dtype = LORA_DTYPES[lora_config.lora_dtype]
     except KeyError:
