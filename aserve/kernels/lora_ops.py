@@ -83,6 +83,27 @@ def lora_delta_cpu(x: torch.Tensor, mapping: SlotGroups, lora_a: torch.Tensor, l
     return result
 
 
+# -- CPU: dense over every slot (small steps) -----------------------------------------------------------
+def lora_delta_dense(x: torch.Tensor, column_mask: torch.Tensor, lora_a: torch.Tensor, lora_b_dense: torch.Tensor,
+                     y: torch.Tensor, slot_mask: torch.Tensor | None = None,
+                     lora_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Adds the LoRA delta of `x [T, K]` into `y [T, out]` (in place, returned) with one shrink over
+    every slot at once, a mask and one expand: for decode-sized steps this is a handful of ops per
+    layer instead of a few per active adapter. `lora_a [S, W, K]` (W = max_rank * num_shards, the
+    layout above); `column_mask [T, S * W]` is 1 where the column's slot is the token's; `lora_b_dense
+    [out, S * W]` holds each slot's B block-diagonally (shard i's rows in its own rank columns, zero
+    elsewhere; when y has B's dtype the expand is fused into y); with `lora_bias [S, out]`, `slot_mask
+    [T, S]` (1 at the token's slot) adds it."""
+    dtype = lora_a.dtype
+    shrunk = (x.to(dtype) @ lora_a.view(-1, lora_a.shape[-1]).T).mul_(column_mask)
+    if lora_bias is not None:
+        shrunk_bias = slot_mask.to(lora_bias.dtype) @ lora_bias
+        y.add_(shrunk_bias.to(y.dtype))
+    if y.dtype == lora_b_dense.dtype:
+        return y.addmm_(shrunk, lora_b_dense.T)
+    return y.add_((shrunk @ lora_b_dense.T).to(y.dtype))
+
+
 # -- CUDA: per-token slot, Triton ---------------------------------------------------------------------
 if HAVE_TRITON:
     @triton.jit

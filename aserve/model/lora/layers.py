@@ -26,13 +26,19 @@ from dataclasses import dataclass
 import torch
 
 from aserve.config import LoRAConfig
-from aserve.kernels.lora_ops import lora_delta_cpu, lora_expand, lora_shrink
+from aserve.kernels.lora_ops import lora_delta_cpu, lora_delta_dense, lora_expand, lora_shrink
 from aserve.model.forward_context import get_forward_context
 from aserve.model.layers.linear import COLUMN, ROW, Linear, MergedLinear
 from aserve.model.lora.mapping import LoRABatchMapping
 from aserve.model.quantization.base import LinearMethodBase
 
 LORA_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CPU steps of at most this many tokens take the dense path (one shrink over every slot, a mask, one
+# expand: few ops per layer); longer ones the grouped path (no work wasted on other slots' columns).
+DENSE_MAX_TOKENS = 128
+# The dense path keeps B block-diagonally per slot (`lora_b_dense`), sized output x slots x rank x
+# shards; above this many slot-rank columns per shard it is not kept and CPU steps are grouped.
+DENSE_MAX_COLUMNS = 256
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,10 @@ def add_lora_delta(layer: Linear, x: torch.Tensor, y: torch.Tensor, mapping: LoR
     if x2.is_cuda:  # per-token kernels, no host data: capturable in a CUDA graph
         shrunk = lora_shrink(x2, layer.lora_a, mapping.token_slots)
         lora_expand(shrunk, layer.lora_b, mapping.token_slots, y2, layer.lora_output_slices, lora_bias)
+    elif layer.lora_b_dense is not None and mapping.num_tokens <= DENSE_MAX_TOKENS:
+        slots, width = layer.lora_a.shape[0], layer.lora_a.shape[1]
+        column_mask, slot_mask = mapping.masks(slots, width, layer.lora_a.dtype)
+        lora_delta_dense(x2, column_mask, layer.lora_a, layer.lora_b_dense, y2, slot_mask, lora_bias)
     else:
         lora_delta_cpu(x2, mapping, layer.lora_a, layer.lora_b, layer.lora_ranks, layer.lora_output_slices,
                        lora_bias, y=y2)
@@ -129,6 +139,10 @@ def add_lora_to_layer(layer: Linear, lora_config: LoRAConfig, device: torch.devi
                           persistent=False)
     bias = torch.zeros(slots, layer.output_size, dtype=dtype, device=device) if lora_config.enable_lora_bias else None
     layer.register_buffer("lora_bias", bias, persistent=False)
+    dense = None
+    if torch.device(device).type == "cpu" and slots * rank <= DENSE_MAX_COLUMNS:
+        dense = torch.zeros(layer.output_size, slots * rank * len(slices), dtype=dtype, device=device)
+    layer.register_buffer("lora_b_dense", dense, persistent=False)
     layer.lora_ranks = [0] * slots
     layer.lora_output_slices = slices
     ctx = layer.parallel
@@ -141,6 +155,8 @@ def clear_slot(layer: Linear, slot: int) -> None:
     """Empty `slot` of a LoRA-wrapped layer (zero weights, rank 0)."""
     layer.lora_a[slot].zero_()
     layer.lora_b[slot].zero_()
+    if layer.lora_b_dense is not None:
+        _dense_view(layer)[:, slot].zero_()
     if layer.lora_bias is not None:
         layer.lora_bias[slot].zero_()
     layer.lora_ranks[slot] = 0
@@ -182,3 +198,15 @@ def set_slot(layer: Linear, slot: int, shard_weights: Sequence[LoRAShardWeights 
             rank = max(rank, r)
         offset += size
     layer.lora_ranks[slot] = rank
+    if layer.lora_b_dense is not None:  # shard i's B rows in slot's rank columns of shard i
+        dense = _dense_view(layer)
+        offset = 0
+        for shard, size in enumerate(slices):
+            dense[offset:offset + size, slot, :, shard].copy_(layer.lora_b[slot, offset:offset + size])
+            offset += size
+
+
+def _dense_view(layer: Linear) -> torch.Tensor:
+    """`lora_b_dense` as `[output, slots, max_rank, shards]` (the column order of lora_a's rows)."""
+    slots, max_rank = layer.lora_b.shape[0], layer.lora_b.shape[2]
+    return layer.lora_b_dense.view(layer.output_size, slots, max_rank, len(layer.lora_output_slices))

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,20 @@ class LoRABatchMapping:
     perm: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]
     num_tokens: int
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)  # memo of `masks`
+
+    def masks(self, num_slots: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the dense CPU path: `[T, num_slots * width]` (1 where a column's slot, `column //
+        width`, is the token's) and `[T, num_slots]` (1 at the token's slot); memoized per step, so
+        the layers sharing a shape build them once."""
+        key = (num_slots, width, dtype)
+        found = self._masks.get(key)
+        if found is None:
+            slots = self.token_slots.to(torch.int64).view(-1, 1)
+            slot_mask = (slots == torch.arange(num_slots, device=slots.device)).to(dtype)
+            found = (slot_mask.repeat_interleave(width, dim=1), slot_mask)
+            self._masks[key] = found
+        return found
 
     @property
     def active_slots(self) -> tuple[int, ...]:

@@ -164,3 +164,30 @@ def test_set_slot_refuses_what_does_not_fit():
         set_slot(layer, 0, _shards(gen, bias=True, ranks=(4, None, None)))
     with pytest.raises(ValueError, match="already"):
         add_lora_to_layer(layer, lora_config(), "cpu")
+
+
+@pytest.mark.parametrize("path", ["dense", "grouped"])
+def test_cpu_dense_and_grouped_paths_give_the_naive_delta(path, monkeypatch):
+    """Small CPU steps take the dense path (every slot at once, masked), long ones the grouped path:
+    both must give each token exactly its own adapter's delta (bias included), base tokens none."""
+    import aserve.model.lora.layers as lora_layers
+
+    monkeypatch.setattr(lora_layers, "DENSE_MAX_TOKENS", 10_000 if path == "dense" else 0)
+    layer = _merged()
+    add_lora_to_layer(layer, lora_config(max_loras=3, enable_lora_bias=True), "cpu")
+    assert layer.lora_b_dense is not None
+    gen = torch.Generator().manual_seed(3)
+    adapters = {0: _shards(gen, (8, 4, None), bias=True), 2: _shards(gen, (16, 16, 2), bias=True)}
+    for slot, shards in adapters.items():
+        set_slot(layer, slot, shards)
+    set_slot(layer, 1, _shards(gen, (8, 8, 8)))  # resident but used by no token
+    slots = [2, -1, 0, 2, 0, -1, 2]
+    x = torch.randn(len(slots), IN, generator=gen)
+    base = layer(x)
+    with set_forward_context(ForwardContext(lora=build_lora_mapping(slots, "cpu"))):
+        got = layer(x)
+    expected = base.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected[t] += _delta(x[t:t + 1], adapters[slot])[0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
