@@ -78,3 +78,87 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
                 f"outputs={self.outputs!r}, finished={self.finished})")
+
+
+# -- pooling (embed, classify, score, encode): vLLM's output shapes ------------------------------------
+@dataclass
+class PoolingOutput:
+    """A pooled result: `data` is one vector (embed, encode, classify) or, with ALL pooling, one
+    vector per prompt token. vLLM holds a torch tensor here; aserve's outputs stay torch-free lists."""
+
+    data: list[float] | list[list[float]]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request's final output. `raw` holds `data` as float32 bytes (native byte order,
+    row-major), what the server's base64 encoding sends; `error` is set when it failed (then `data`
+    is empty)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    error: RequestError | None = None
+    raw: bytes = b""
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (or raw logits when the activation is off)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score: a cross-encoder's probability, or the cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput(list(out.outputs.data)), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(list(out.outputs.data)), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

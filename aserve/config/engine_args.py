@@ -30,6 +30,7 @@ from aserve.config.guided_decoding import (
 )
 from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
+from aserve.config.pooling import validate_pooling_args
 from aserve.config.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, REFUSED_METHODS, normalize_method
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
 from aserve.config.schema import AserveConfig, StructuredOutputsConfig
@@ -143,6 +144,11 @@ class EngineArgs:
     fully_sharded_loras: bool = False
     long_lora_scaling_factors: list[float] | None = None  # refused (LongLoRA)
     qlora_adapter_name_or_path: str | None = None
+    # What the model serves (aserve/config/pooling.py): generate, or a pooling task
+    task: str = "auto"
+    runner: str = "auto"
+    # {"pooling_type": "MEAN", "normalize": true, ...} over the model's pooling (vLLM's --pooler-config too)
+    override_pooler_config: dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -171,6 +177,7 @@ class EngineArgs:
         self.resolved_structured_outputs()
         parse_compilation_config(self.compilation_config)
         validate_lora_args(self)
+        validate_pooling_args(self)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
                       cuda_available: bool = False) -> AserveConfig:

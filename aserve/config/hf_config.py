@@ -86,7 +86,7 @@ class ArchConfig:
     @property
     def is_encoder(self) -> bool:
         """An encoder-only pooling architecture (`ENCODER_ARCHITECTURES`): bidirectional, no KV cache,
-        serves embeddings / scores only (its default pooling: aserve/model/pooling/config.py)."""
+        serves embeddings / scores only (its default pooling: aserve/config/pooler.py)."""
         return self.architecture in ENCODER_ARCHITECTURES
 
     def sliding_window_of(self, layer: int) -> int | None:

@@ -16,6 +16,7 @@ from aserve.config.errors import require
 from aserve.config.families import normalize_keys
 from aserve.config.parallel import check_tensor_parallel
 from aserve.config.lora import resolve_lora_config
+from aserve.config.pooling import bare_model_architecture, needs_whole_prompt, resolve_pooling_config, resolve_task
 from aserve.config.quantization import resolve_quantization
 from aserve.config.model_impl import (
     check_transformers_args,
@@ -24,6 +25,8 @@ from aserve.config.model_impl import (
     transformers_arch_config,
 )
 from aserve.config.hf_config import (
+    ENCODER_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
     ArchConfig,
     architecture_of,
     derived_max_model_len,
@@ -66,7 +69,20 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         overrides["rope_scaling"] = args.rope_scaling
     hf_cfg = {**hf_cfg, **overrides}
     name = architecture_of(hf_cfg)
-    model_impl = choose_model_impl(args.model_impl, name, hf_cfg)
+    causal = bare_model_architecture(name)  # a bare decoder (Qwen2Model) serves through its causal class
+    if causal is not None:
+        hf_cfg, name = {**hf_cfg, "architectures": [causal]}, causal
+    task = resolve_task(args, name, bare_decoder=causal is not None)
+    pooling = resolve_pooling_config(args, name, str(path), task, hf_cfg)
+    if pooling is not None:  # pooling runs aserve's own classes (encoders, decoder embedders)
+        require(args.model_impl != "transformers", "model_impl",
+                "pooling models need aserve's native model classes, not the Transformers backend")
+        require(name in ENCODER_ARCHITECTURES or name in SUPPORTED_ARCHITECTURES, "model",
+                f"architecture {name!r} cannot pool; supported: "
+                f"{sorted(ENCODER_ARCHITECTURES | SUPPORTED_ARCHITECTURES)}")
+        model_impl = "aserve"
+    else:
+        model_impl = choose_model_impl(args.model_impl, name, hf_cfg)
     if model_impl == "transformers":
         check_transformers_args(args)
         arch = transformers_arch_config(hf_cfg)
@@ -82,8 +98,14 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     require(quantization is None or device == "cpu", "quantization",
             f"{quantization!r} is implemented for CPU only (no CUDA kernel yet); pass --device cpu")
 
-    max_model_len = _max_model_len(args, hf_cfg, arch)
+    max_model_len = _max_model_len(args, hf_cfg, arch, pooling.pooler.max_seq_length if pooling else None)
     chunked = True if args.enable_chunked_prefill is None else args.enable_chunked_prefill
+    prefix_caching = args.enable_prefix_caching
+    if pooling is not None and needs_whole_prompt(name, pooling):  # each prompt in one step, no cache hits
+        require(args.enable_chunked_prefill is not True, "enable_chunked_prefill",
+                f"{name} with {pooling.pooler.pooling_type.value} pooling reads every prompt row in one step; "
+                "chunked prefill needs a causal model with LAST pooling")
+        chunked, prefix_caching = False, False
     max_batched = args.max_num_batched_tokens
     if max_batched is None:
         budget = _DEFAULT_TOKEN_BUDGET[device]
@@ -120,13 +142,15 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     if model_impl == "transformers":
         compilation = eager_for_transformers(compilation, device)
+    require(pooling is None or not compilation.compile_sizes, "compilation_config",
+            "pooling models run no decode steps: the CPU compiled decode (-O3) does not apply; drop -O3")
     require(args.tensor_parallel_size == 1 or not compilation.compile_sizes, "compilation_config",
             "the CPU compiled decode (-O3) is not implemented with --tensor-parallel-size > 1; drop -O3")
     return AserveConfig(
         model=model_cfg,
         cache=CacheConfig(
             block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
             swap_space_gb=args.swap_space,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -159,14 +183,18 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         ),
         structured_outputs=args.resolved_structured_outputs(),
         lora=resolve_lora_config(args, model_cfg.dtype, model_impl),
+        pooling=pooling,
     )
 
 
-def _max_model_len(args: EngineArgs, hf_cfg: dict, arch: ArchConfig) -> int:
+def _max_model_len(args: EngineArgs, hf_cfg: dict, arch: ArchConfig, max_seq_length: int | None = None) -> int:
     """`--max-model-len`, else the model's context. With `--disable-sliding-window` on a model that
     has a window, the context is capped at the window (as vLLM does), so full attention computes
-    exactly what the windowed model would."""
+    exactly what the windowed model would. A sentence-transformers folder's `max_seq_length` caps it
+    too (the length the embedding model was trained to pool)."""
     limit = derived_max_model_len(arch)
+    if max_seq_length is not None:
+        limit = min(limit, max_seq_length)
     windows = [w for w in layer_sliding_windows(normalize_keys(arch.architecture, hf_cfg), arch.architecture)
                if w] if args.disable_sliding_window else []  # (refused with the Transformers backend)
     if args.disable_sliding_window and windows and min(windows) < limit:

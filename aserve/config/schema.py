@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config.hf_config import ArchConfig
+from aserve.config.pooling import PoolingConfig
 from aserve.config.quantization import QuantSpec
 
 GiB = 1 << 30
@@ -147,6 +148,12 @@ class AserveConfig:
     runner: RunnerConfig
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig = LoRAConfig()
+    pooling: PoolingConfig | None = None  # None: a generating model (aserve/config/pooling.py)
+
+    @property
+    def is_pooling(self) -> bool:
+        """The engine serves a pooling task (embeddings, classification, scores), not text."""
+        return self.pooling is not None
 
 
 @dataclass(frozen=True)

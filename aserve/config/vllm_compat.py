@@ -23,7 +23,6 @@ _TEXT_ONLY = "aserve serves text-only models (multimodal inputs are not implemen
 _PROMPT_ADAPTER = "prompt adapters were removed from vLLM (0.8) and are not implemented by aserve"
 _SPEC = "speculative decoding is not implemented yet (issue 22, speculative decoding)"
 _QUANT = "not implemented yet (issue 20, quantization)"
-_POOLING = "pooling / embedding models are not implemented yet (issue 23, pooling and --task)"
 _RAY = "Ray is not implemented (aserve's executors are 'uni' and 'mp')"
 
 
@@ -69,8 +68,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     # -- vLLM's newer spellings ---------------------------------------------------------------------
     "enable_log_requests": CompatArg("alias", "bool", False, "", target="disable_log_requests",
                                      target_value=False, server=True),
-    "runner": _refused("str", "auto", "aserve runs generative models only; --runner pooling is issue 23 (pooling), "
-                       "--runner draft is issue 22 (speculative decoding)", accepted=("generate",)),
     # -- refused: multimodal ------------------------------------------------------------------------
     **{name: _refused(tp, default, _TEXT_ONLY) for name, tp, default in (
         ("image_input_type", "str", None), ("image_token_id", "int", None), ("image_input_shape", "str", None),
@@ -128,8 +125,7 @@ COMPAT_ARGS: dict[str, CompatArg] = {
         ("speculative_disable_mqa_scorer", "bool", False), ("speculative_config", "json", None))},
     "quantization_param_path": _refused("str", None, f"fp8 KV-cache scaling factors from a file: {_QUANT}"),
     "calculate_kv_scales": _refused("bool", False, f"computing fp8 KV-cache scales at run time: {_QUANT}"),
-    "task": _refused("str", "auto", _POOLING, accepted=("generate",)),
-    "override_pooler_config": _refused("json", None, _POOLING),
+    "pooler_config": CompatArg("alias", "json", None, "", target="override_pooler_config"),
     "enable_sleep_mode": _refused("bool", False, "sleep mode is not implemented yet (issue 24, sleep mode)"),
     "otlp_traces_endpoint": _refused("str", None, "OpenTelemetry tracing is not implemented yet (issue 24, tracing)"),
     "collect_detailed_traces": _refused("str", None, "OpenTelemetry tracing is not implemented yet "

@@ -7,7 +7,9 @@ Protocol, per step:
   * `new_requests`: requests the runner has not seen (or resumed after a recompute preemption):
     full token ids (prompt + outputs so far), sampling params, the full block table,
     `num_computed_tokens` (> 0 on a prefix-cache hit) and the LoRA adapter, if any. The scheduler
-    never runs more than `max_loras` distinct adapters in one step.
+    never runs more than `max_loras` distinct adapters in one step. A pooling request carries
+    `pooling_params`: when its prompt is fully computed the runner pools it instead of sampling
+    (`RunnerOutput.pooled_outputs`) and the scheduler finishes it.
   * `cached_requests`: requests the runner already holds; only what changed: blocks appended
     to the block table and the current `num_computed_tokens`.
   * `scheduled_req_ids[i]` gets `num_scheduled_tokens[i]` tokens this step, starting at its
@@ -27,6 +29,7 @@ from enum import IntEnum
 import msgspec
 
 from aserve.lora.request import LoRARequest
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 
@@ -39,6 +42,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: int
     stop_token_ids_for_min_tokens: list[int]  # EOS + stop_token_ids, masked while len(outputs) < min_tokens
     lora_request: LoRARequest | None = None  # the adapter (the runner loads it from its path if it lacks it)
+    pooling_params: PoolingParams | None = None  # a pooling request: pooled, never sampled
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -73,6 +77,14 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+class PooledData(msgspec.Struct, array_like=True):
+    """A pooled result: `data` holds `shape`'s float32 values, native byte order, row-major (one
+    vector: [dim]; ALL pooling: [num_tokens, dim])."""
+
+    data: bytes
+    shape: list[int]
+
+
 class RunnerOutput(msgspec.Struct, array_like=True):
     """One step's results, in `req_ids` order (only requests that sampled this step)."""
 
@@ -86,6 +98,9 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     # it with finish_reason "error". A failure that cannot be pinned on one request is not reported
     # here: `execute` raises, and the executor treats that as fatal.
     failed_requests: dict[str, str] = {}
+    # req_id -> its pooled result: a pooling request whose prompt was fully computed this step (it
+    # never samples; the scheduler finishes it with finish_reason "stop").
+    pooled_outputs: dict[str, PooledData] = {}
 
 
 class RunnerInfo(msgspec.Struct):
@@ -123,3 +138,4 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None  # the stop token id (not EOS) that ended it
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     events: list[EngineCoreEvent] = []  # scheduling events since the request's previous output
+    pooled: PooledData | None = None  # a pooling request's result (with finish_reason "stop")

@@ -7,8 +7,9 @@ import sys
 import time
 from collections.abc import Iterable
 
-from aserve.core.batch import EngineCoreEvent, EngineCoreEventType
+from aserve.core.batch import EngineCoreEvent, EngineCoreEventType, NewRequestData
 from aserve.lora.request import LoRARequest
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 
@@ -52,6 +53,8 @@ class Request:
     it (a hash of the API key, or None) for fair sharing between clients (`core/fair_queue.py`).
     `lora_request` names the adapter it runs with (None: the base model); its id is mixed into the
     block hashes, so KV is shared between requests of one adapter and never across adapters.
+    `pooling_params` marks a pooling request: it finishes when its prompt is computed and pooled
+    (its `sampling_params` are the defaults, never used to sample).
     """
 
     __slots__ = (
@@ -67,6 +70,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "output_token_ids",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -90,6 +94,7 @@ class Request:
         share_prefix: bool = False,
         client_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -101,6 +106,7 @@ class Request:
         self.share_prefix = share_prefix
         self.client_id = client_id
         self.lora_request = lora_request
+        self.pooling_params = pooling_params
         if sampling_params.max_tokens is not None:
             self.max_tokens = sampling_params.max_tokens
         elif max_model_len is not None:
@@ -175,6 +181,18 @@ class Request:
         if num_outputs >= self.max_tokens or self.num_prompt_tokens + num_outputs >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def new_request_data(self, block_ids: list[int]) -> NewRequestData:
+        """What the runner needs to start (or resume) this request, holding `block_ids`."""
+        params = self.sampling_params
+        stop_ids = list(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.extend(self.eos_token_ids)
+        return NewRequestData(
+            req_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids), sampling_params=params, block_ids=list(block_ids),
+            num_computed_tokens=self.num_computed_tokens, stop_token_ids_for_min_tokens=stop_ids,
+            lora_request=self.lora_request, pooling_params=self.pooling_params)
 
     def __repr__(self) -> str:
         return (f"Request(id={self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -206,7 +206,7 @@ class Scheduler:
                 cached_reqs.append(CachedRequestData(req_id, new_block_ids[req_id], req.num_computed_tokens))
             else:
                 runner_ids.add(req_id)
-                new_reqs.append(self._new_request_data(req))
+                new_reqs.append(req.new_request_data(self.kv_cache_manager.get_block_ids(req_id)))
             scheduled_ids.append(req_id)
             scheduled_nums.append(n)
             req.num_computed_tokens += n
@@ -297,31 +297,21 @@ class Scheduler:
         self._finished_req_ids.append(req_id)
         return given_back
 
-    def _new_request_data(self, req: Request) -> NewRequestData:
-        params = req.sampling_params
-        stop_ids = list(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.extend(req.eos_token_ids)
-        return NewRequestData(
-            req_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
-            sampling_params=params,
-            block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
-            num_computed_tokens=req.num_computed_tokens,
-            stop_token_ids_for_min_tokens=stop_ids,
-            lora_request=req.lora_request,
-        )
-
     # -- update ----------------------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
         """Applies one step's results: one EngineCoreOutput per request that sampled a token, got
-        prompt logprobs, finished, or failed alone in the runner (`runner_output.failed_requests`:
+        prompt logprobs, was pooled (and finished), finished, or failed alone in the runner (`runner_output.failed_requests`:
         finished with FINISHED_ERROR, finish_reason "error", blocks freed now)."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         if runner_output.failed_requests:
             self._fail_requests(runner_output.failed_requests, outputs)
+        for req_id, pooled in runner_output.pooled_outputs.items():
+            req = requests.get(req_id)
+            if req is not None and req.status is _RUNNING:  # else aborted while the step ran
+                outputs.append(EngineCoreOutput(req_id=req_id, new_token_ids=[], finish_reason="stop", pooled=pooled,
+                                                num_cached_tokens=req.num_cached_tokens, events=req.take_events()))
+                self.finish_requests([req_id], RequestStatus.FINISHED_STOPPED)
         prompt_logprobs = runner_output.prompt_logprobs
         logprobs = runner_output.logprobs
         any_finished = False

@@ -15,12 +15,15 @@ from aserve.engine.builder import EngineParts, ExecutorFactory, build_engine
 from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.input_processor import InputProcessor
 from aserve.engine.output_processor import OutputProcessor, ProcessedOutputs
+from aserve.engine.pooling_inputs import PoolingInputProcessor, TextPair
+from aserve.engine.pooling_outputs import PoolingOutputProcessor
 from aserve.engine.stats import StatLogger
 from aserve.engine.lora_registry import LoRARegistry
 from aserve.executor.base import make_executor
 from aserve.lora.errors import LoRAAdapterError
 from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -32,7 +35,8 @@ class LLMEngine:
         self.generation_defaults = parts.generation_defaults
         self.core = parts.core
         self.inputs = InputProcessor(parts.config, parts.tokenizer, parts.eos_token_ids)
-        self.outputs = OutputProcessor(parts.tokenizer)
+        self.pooling_inputs = PoolingInputProcessor(parts.config, parts.tokenizer) if parts.config.is_pooling else None
+        self.outputs = PoolingOutputProcessor() if parts.config.is_pooling else OutputProcessor(parts.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.loras = LoRARegistry(parts.config.lora.enable_lora, parts.config.lora.max_loras)
         self._ids = itertools.count()
@@ -49,13 +53,15 @@ class LLMEngine:
         return str(next(self._ids))
 
     # -- intake -----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | TextPair | None, params: SamplingParams | PoolingParams,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
                     arrival_time: float | None = None, client_id: str | None = None,
                     lora_request: LoRARequest | None = None) -> list[int]:
         """Validates and queues a request. Returns its prompt token ids. Raises SamplingParamsError.
         `client_id` names who sent it (the server passes a hash of the API key) for fair sharing.
-        `lora_request` must be registered (`add_lora`)."""
+        `lora_request` must be registered (`add_lora`). `PoolingParams` make a pooling request (a
+        pooling engine takes only those; `prompt` may then be a text pair for a cross-encoder)."""
+        self._check_task(params)
         if lora_request is not None and not self._lora_registered(lora_request):
             raise SamplingParamsError("lora_request", f"adapter {lora_request.lora_name!r} is not loaded "
                                       "(add_lora first)")
@@ -63,8 +69,14 @@ class LLMEngine:
             raise SamplingParamsError("request_id", f"request {request_id!r} is already running")
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise SamplingParamsError("priority", "needs --scheduling-policy priority")
-        token_ids = self.inputs.process_prompt(prompt, prompt_token_ids, params)
         arrival = time.time() if arrival_time is None else arrival_time
+        if isinstance(params, PoolingParams):
+            token_ids, params = self.pooling_inputs.process(prompt, prompt_token_ids, params)
+            self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, token_ids, arrival)
+            self.core.add_request(self.pooling_inputs.make_request(request_id, token_ids, params, arrival, priority,
+                                                                   client_id))
+            return token_ids
+        token_ids = self.inputs.process_prompt(prompt, prompt_token_ids, params)
         user_logprobs = params.logprobs is not None
         sample_ids = self.outputs.add_request(request_id, prompt, token_ids, params, user_logprobs, arrival,
                                               lora_request)
@@ -72,6 +84,15 @@ class LLMEngine:
                                                  lora_request):
             self.core.add_request(request)
         return token_ids
+
+    def _check_task(self, params: SamplingParams | PoolingParams) -> None:
+        pooling = self.config.pooling
+        if pooling is not None and not isinstance(params, PoolingParams):
+            raise SamplingParamsError("task", f"this model serves --task {pooling.task}, not text generation; "
+                                      "send pooling requests (embed, classify, score)")
+        if pooling is None and isinstance(params, PoolingParams):
+            raise SamplingParamsError("task", "this model generates text (--task generate); serve a pooling model "
+                                      "(--task embed, classify or score) for embeddings and scores")
 
     def _lora_registered(self, lora_request: LoRARequest) -> bool:
         try:

@@ -66,10 +66,10 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
         if config.device.device == "cpu":
             _limit_threads(world_size)
         from aserve.distributed.context import SINGLE, init_distributed, shutdown_distributed
-        from aserve.runner.model_runner import ModelRunner
+        from aserve.runner.factory import make_runner
 
         parallel = init_distributed(rendezvous, rank) if rendezvous is not None else SINGLE
-        runner = ModelRunner(config, parallel=parallel)
+        runner = make_runner(config, parallel)
         runner.load_model()
         info = runner.initialize_kv_cache()
         runner.capture_graphs()

@@ -14,9 +14,9 @@ from aserve.lora.request import LoRARequest
 
 
 def _model_runner(config: AserveConfig) -> Any:
-    from aserve.runner.model_runner import ModelRunner
+    from aserve.runner.factory import make_runner
 
-    return ModelRunner(config)
+    return make_runner(config)
 
 
 class ThreadExecutor:

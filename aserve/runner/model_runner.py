@@ -38,7 +38,6 @@ from aserve.runner.sampling import Sampler, compute_prompt_logprobs
 from aserve.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
 # Attention backends whose forward never syncs with the host, so a CUDA graph can capture it.
 _GRAPH_CAPTURABLE_BACKENDS = ("triton",)
 
@@ -117,7 +116,8 @@ class ModelRunner:
             self.model.bind_kv_caches(scratch)
             try:
                 hidden = self.model(dummy.input_ids, dummy.positions, dummy.meta)
-                self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
+                if self.model.lm_head is not None:  # (a decoder embedder has none)
+                    self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
             finally:
                 if self.kv_caches:  # already initialized: put the real cache back
                     self.model.bind_kv_caches(self.kv_caches)

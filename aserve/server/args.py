@@ -106,6 +106,11 @@ _ENGINE_HELP = {
     "fully_sharded_loras": "shard both LoRA matmuls across tensor-parallel ranks (no-op with one rank; refused with more)",
     "long_lora_scaling_factors": "LongLoRA scaling factors (refused: LongLoRA is not implemented)",
     "qlora_adapter_name_or_path": "a QLoRA adapter over a bitsandbytes base (refused: not implemented)",
+    "task": "what the model serves: auto, generate, embed (alias embedding), classify, score (a cross-encoder) "
+            "or encode (raw pooled states)",
+    "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",
+    "override_pooler_config": 'JSON object over the model\'s pooling: pooling_type (LAST, MEAN, CLS, ALL), '
+                              "normalize, softmax, dimensions (alias --pooler-config)",
 }
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 _ENGINE_DEFAULTS = {
@@ -135,6 +140,8 @@ _ENGINE_DEFAULTS = {
     "tokenizer_revision": "None: the latest",
     "code_revision": "None: the latest",
     "max_cpu_loras": "None: --max-loras",
+    "task": "'auto': generate for causal LMs, embed (classify for a classifier head) for encoders",
+    "override_pooler_config": "None: the model's (sentence-transformers files, else the architecture's)",
 }
 _SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
                   "compilation_config": "-O", "quantization": "-q"}

@@ -23,7 +23,7 @@ GROUPS: tuple[tuple[str, str, str], ...] = (
     ("device", "DeviceConfig", "the device and its kernels"),
     ("compilation", "CompilationConfig", "CUDA graphs and torch.compile"),
     ("decoding", "DecodingConfig", "structured outputs (guided decoding)"),
-    ("lora", "LoRAConfig", "LoRA and prompt adapters (not implemented: refused)"),
+    ("lora", "LoRAConfig", "LoRA adapters (prompt adapters: refused)"),
     ("speculative", "SpeculativeConfig", "speculative decoding (not implemented: refused)"),
     ("observability", "ObservabilityConfig", "logging, stats and tracing"),
     ("server", "Frontend", "the HTTP server: address, TLS, CORS, API keys, chat templates, limits"),
@@ -35,7 +35,7 @@ _G = {
         dtype max_model_len seed max_logprobs rope_scaling rope_theta hf_overrides generation_config
         served_model_name quantization disable_sliding_window model_impl override_generation_config
         hf_config_path config_format code_revision
-        runner task override_pooler_config image_input_type image_token_id image_input_shape image_feature_size
+        runner task override_pooler_config pooler_config image_input_type image_token_id image_input_shape image_feature_size
         image_processor image_processor_revision disable_image_processor limit_mm_per_prompt mm_processor_kwargs
         disable_mm_preprocessor_cache allowed_local_media_path tokenizer_extension_path multi_query_mode
         tokenizer_pool_size tokenizer_pool_type tokenizer_pool_extra_config logits_processor_pattern

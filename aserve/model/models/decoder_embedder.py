@@ -1,5 +1,5 @@
 """Decoder embedders (Qwen3-Embedding, gte-Qwen2 style): a supported causal family serving its final
-normed hidden states for pooling (LAST, normalized, by default: aserve/model/pooling/config.py) instead
+normed hidden states for pooling (LAST, normalized, by default: aserve/config/pooler.py) instead
 of logits. The forward, the paged KV cache (so chunked prefill and prefix caching still apply) and the
 weights are the causal model's; only the LM head is gone.
 """

@@ -10,7 +10,7 @@ from torch import nn
 from aserve.config.hf_config import ArchConfig, read_hf_config
 from aserve.model.loader import init_dummy_weights, iterate_weights
 from aserve.model.models.registry import get_pooling_model_class
-from aserve.model.pooling.config import PoolerConfig, resolve_pooler_config
+from aserve.config.pooler import PoolerConfig, resolve_pooler_config
 from aserve.model.pooling.pooler import ClassifierPooler, Pooler, build_pooler
 from aserve.model.quantization import assign
 

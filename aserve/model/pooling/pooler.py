@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from aserve.model.pooling.config import PoolerConfig, PoolingType
+from aserve.config.pooler import PoolerConfig, PoolingType
 
 
 def pool_hidden(hidden: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
@@ -93,3 +94,35 @@ def build_pooler(model: torch.nn.Module, config: PoolerConfig) -> Pooler | Class
     """The pooler for `model` (a `classify` method means a classifier head) under a resolved `config`."""
     classify = getattr(model, "classify", None)
     return ClassifierPooler(config, classify) if callable(classify) else Pooler(config)
+
+
+class RequestPooling(NamedTuple):
+    """One request's overrides of the served pooler config (None: the config's)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    activation: bool | None = None  # a classifier's softmax / sigmoid
+
+
+def pool_requests(hidden: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor, config: PoolerConfig,
+                  overrides: Sequence[RequestPooling],
+                  classify: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """One float32 result per sequence of the packed batch (`Pooler` / `ClassifierPooler` semantics,
+    `classify` given for a classifier head), each under `config` with its request's `overrides`.
+    A batch without overrides is finished in one vectorized pass."""
+    if classify is not None:
+        logits = classify(pool_hidden(hidden, query_start_loc, config.pooling_type).to(hidden.dtype)).float()
+        out = []
+        for row, o in zip(logits, overrides):
+            if config.softmax if o.activation is None else o.activation:
+                row = row.sigmoid() if row.numel() == 1 else row.softmax(-1)
+            out.append(row)
+        return out
+    pooled = pool_hidden(hidden, query_start_loc, config.pooling_type)
+    if all(o == RequestPooling() for o in overrides) and not isinstance(pooled, list):
+        return list(_finish(pooled, config).unbind(0))
+    rows = pooled if isinstance(pooled, list) else pooled.unbind(0)
+    return [_finish(row, PoolerConfig(pooling_type=config.pooling_type,
+                                      normalize=config.normalize if o.normalize is None else o.normalize,
+                                      dimensions=config.dimensions if o.dimensions is None else o.dimensions))
+            for row, o in zip(rows, overrides)]

@@ -12,7 +12,7 @@ from aserve.config import ArchConfig
 from aserve.config.hf_config import read_hf_config
 from aserve.model.attention.bidirectional import EncoderMetadata
 from aserve.model.models.bert import BertForSequenceClassification, BertModel
-from aserve.model.pooling.config import PoolerConfig, PoolingType
+from aserve.config.pooler import PoolerConfig, PoolingType
 from aserve.model.pooling.loading import load_pooling_model, pooler_for
 from aserve.model.pooling.pooler import ClassifierPooler, Pooler
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from aserve.model.attention.torch_backend import TorchAttentionBackend
-from aserve.model.pooling.config import PoolingType, resolve_pooler_config
+from aserve.config.pooler import PoolingType, resolve_pooler_config
 from aserve.model.pooling.loading import load_pooling_model
 from aserve.model.pooling.pooler import Pooler
 from tests.model._paged_batch import PagedBatch

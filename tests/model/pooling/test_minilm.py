@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aserve.model.attention.bidirectional import EncoderMetadata
-from aserve.model.pooling.config import PoolingType
+from aserve.config.pooler import PoolingType
 from aserve.model.pooling.loading import load_pooling_model, pooler_for
 
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 
 from aserve import model_source
-from aserve.model.pooling.config import (
+from aserve.config.pooler import (
     PoolerConfig,
     PoolingType,
     default_pooler_config,
