@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+
+import msgspec
 from typing import Any
 
 from aserve.config import ConfigError, EngineArgs
 from aserve.engine.llm_engine import LLMEngine
 from aserve.engine.stats import IntervalStatLineLogger
 from aserve.lora.request import LoRARequest
-from aserve.outputs import RequestOutput
+from aserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import RequestOutputKind, SamplingParams
+from aserve.scoring import cosine_similarity, score_pairs
 from aserve.server.chat_template import ChatRenderer, load_flag_template, resolve_chat_template
 
 PromptType = str | list[int] | dict[str, Any]
@@ -147,6 +158,80 @@ class LLM:
             self._renderer = ChatRenderer(tokenizer, resolve_chat_template(tokenizer, None))
         return self._renderer
 
+    # -- pooling (vLLM's LLM.encode / embed / classify / score; needs a pooling model) -----------------
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None,
+               priority: list[int] | None = None) -> list[PoolingRequestOutput]:
+        """Pools every prompt with the served task (or `pooling_params.task`); one output per prompt, in
+        order. A prompt is a string, token ids, a dict, or (for a cross-encoder) a (text_1, text_2) tuple."""
+        items = self._pooling_items(prompts)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = msgspec.structs.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"priority: got {len(priority)} values for {len(items)} prompts")
+        ids: list[str] = []
+        try:
+            for i, (prompt, token_ids) in enumerate(items):
+                request_id = self.engine.next_request_id()
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids,
+                                        priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    @classmethod
+    def _pooling_items(cls, prompts) -> list[tuple[str | tuple[str, str] | None, list[int] | None]]:
+        def is_pair(p) -> bool:
+            return isinstance(p, tuple) and len(p) == 2 and all(isinstance(t, str) for t in p)
+
+        if isinstance(prompts, (str, dict)) or is_pair(prompts) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items: list = []
+        for p in prompts:
+            items.extend([(p, None)] if is_pair(p) else cls._normalize_prompts([p], None))
+        return items
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`--task embed`)."""
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm,
+                                                                         truncate_prompt_tokens)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (a `*ForSequenceClassification` model)."""
+        params = msgspec.structs.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(prompts, params, use_tqdm,
+                                                                              truncate_prompt_tokens)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """One score per pair (`aserve.scoring.score_pairs`: one-to-one, one-to-many or pairwise): a
+        cross-encoder scores each pair in one forward; an embedding model scores the cosine similarity
+        of the two texts' embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        pooling = self.engine.config.pooling
+        if pooling is not None and pooling.is_classifier:
+            params = msgspec.structs.replace(pooling_params or PoolingParams(), task="score")
+            outs = self.encode(pairs, params, use_tqdm, truncate_prompt_tokens)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0] if o.outputs.data else
+                                                                     float("nan")), o.prompt_token_ids, o.finished)
+                    for o in outs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.embed(texts, pooling_params, use_tqdm, truncate_prompt_tokens)))
+        return [ScoringRequestOutput(f"{embedded[a].request_id}_{embedded[b].request_id}",
+                                     ScoringOutput(cosine_similarity(embedded[a].outputs.embedding,
+                                                                     embedded[b].outputs.embedding)),
+                                     embedded[a].prompt_token_ids + embedded[b].prompt_token_ids, True)
+                for a, b in pairs]
+
     # -- internals --------------------------------------------------------------------------------
     @staticmethod
     def _normalize_prompts(prompts, prompt_token_ids) -> list[tuple[str | None, list[int] | None]]:
@@ -182,10 +267,12 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        num_out += sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) \
+                            else len(out.prompt_token_ids)
                         if bar is not None:
                             bar.update(1)
-                            bar.set_postfix_str(f"output {num_out / (time.perf_counter() - start):.1f} tok/s")
+                            kind = "output" if isinstance(out, RequestOutput) else "input"
+                            bar.set_postfix_str(f"{kind} {num_out / (time.perf_counter() - start):.1f} tok/s")
         finally:
             if bar is not None:
                 bar.close()

@@ -49,7 +49,7 @@ class PoolingModelRunner(ModelRunner):
         start = time.perf_counter()
         self.model = load_pooling_model(
             self.config.model.model_path, self.dtype, self.device, None if self.is_encoder else self.backend,
-            self.config.load.load_format, self.config.model.seed)
+            self.config.load.load_format, self.config.model.seed, self.arch)
         logger.info("Loaded %s for %s (%s, %s) in %.1fs", self.arch.architecture, self.pooling.task,
                     self.config.model.dtype, self.device, time.perf_counter() - start)
 

@@ -16,11 +16,13 @@ from aserve.model.quantization import assign
 
 
 def load_pooling_model(model_path: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                       backend: object = None, load_format: str = "auto", seed: int = 0) -> nn.Module:
+                       backend: object = None, load_format: str = "auto", seed: int = 0,
+                       arch: ArchConfig | None = None) -> nn.Module:
     """The folder's model for pooling, weights loaded, in eval mode. `backend`: the paged attention
-    backend a causal embedder needs (an encoder uses its own). Raises ValueError when the architecture
-    cannot pool or the checkpoint does not fit it."""
-    arch = ArchConfig.from_hf_dict(read_hf_config(model_path))
+    backend a causal embedder needs (an encoder uses its own). `arch`: the resolved architecture
+    (default: the folder's config.json). Raises ValueError when the architecture cannot pool or the
+    checkpoint does not fit it."""
+    arch = arch or ArchConfig.from_hf_dict(read_hf_config(model_path))
     model_cls = get_pooling_model_class(arch.architecture)
     model = model_cls(arch, backend, dtype, device)
     if load_format == "dummy":
