@@ -103,6 +103,11 @@ class EngineArgs:
     enable_chunked_prefill: bool | None = None
     preemption_mode: str | None = None
     scheduling_policy: str = "fcfs"
+    # How prefills share a step (aserve/core/prefill_limits.py)
+    scheduler_delay_factor: float = 0.0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: none, or 4% of max_model_len with max_num_partial_prefills > 1
     rope_scaling: dict[str, Any] | None = None
     rope_theta: float | None = None
     hf_overrides: dict[str, Any] | None = None
@@ -207,6 +212,15 @@ class EngineArgs:
             require(value is None or math.isfinite(value), name, f"must be a finite number, got {value}")
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_logprobs >= 0, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
+        require(math.isfinite(self.scheduler_delay_factor) and self.scheduler_delay_factor >= 0,
+                "scheduler_delay_factor", f"must be a finite number >= 0, got {self.scheduler_delay_factor}")
+        require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
+                f"must be >= 1, got {self.max_num_partial_prefills}")
+        require(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills, "max_long_partial_prefills",
+                f"must be in [1, max_num_partial_prefills={self.max_num_partial_prefills}], "
+                f"got {self.max_long_partial_prefills}")
+        require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                f"must be >= 0, got {self.long_prefill_token_threshold}")
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.swap_space >= 0, "swap_space", f"must be >= 0, got {self.swap_space}")

@@ -165,6 +165,11 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             enable_chunked_prefill=chunked,
             preemption_mode=args.preemption_mode or "recompute",
             policy=args.scheduling_policy,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            max_long_partial_prefills=args.max_long_partial_prefills,
+            long_prefill_token_threshold=args.long_prefill_token_threshold or (
+                int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0),
+            scheduler_delay_factor=args.scheduler_delay_factor,
         ),
         load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec,
                         ignore_patterns=args.resolved_ignore_patterns()),

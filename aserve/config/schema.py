@@ -68,6 +68,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     policy: str = "fcfs"
+    # how prefills share a step (aserve/core/prefill_limits.py); threshold resolved (0: no cap)
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    scheduler_delay_factor: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -96,10 +96,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "max_parallel_loading_workers": _todo("int", None, "loading weights in sequential batches of workers; "
                                           "each aserve worker loads its own shard"),
     # -- issue 25's "Implement" list, not implemented yet -------------------------------------------
-    "scheduler_delay_factor": _todo("float", 0.0, "delay the next prefill by factor x the last prompt latency"),
-    "max_num_partial_prefills": _todo("int", 1, "several partial prefills sharing a step's chunk budget"),
-    "max_long_partial_prefills": _todo("int", 1, "how many long prompts may prefill concurrently"),
-    "long_prefill_token_threshold": _todo("int", 0, "the prompt length above which a prefill counts as long"),
     "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
     "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
     "num_lookahead_slots": _todo("int", 0, "KV slots reserved past the known tokens, for speculative decoding"),

@@ -9,7 +9,7 @@ When a running request cannot get blocks, a running request is preempted (recomp
 configured) and the allocation retried: under fcfs the latest admitted request of the client holding
 the most running requests (a flooding client loses memory first; with one client, the last running
 request); under priority the lowest-ranked one (`core/preemption.py`). At most `max_loras` LoRA
-adapters run at once (`core/lora_slots.py`).
+adapters run at once (`core/lora_slots.py`); prefills share a step as `core/prefill_limits.py` says.
 
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run);
 `update()` appends the sampled tokens and applies the stop rules. The protocol with the runner is
@@ -33,6 +33,7 @@ from aserve.core.fair_queue import FairQueue
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.lora_slots import LoRASlots, adapter_names
 from aserve.core.preemption import victim_index
+from aserve.core.prefill_limits import PrefillLimits
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import FCFSQueue, PriorityQueue
 from aserve.core.stats import SchedulerStats
@@ -45,7 +46,8 @@ class Scheduler:
     """Owns the request queues and the KV cache manager. Not thread-safe: one caller at a time."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_info: KVCacheInfo,
-                 max_loras: int | None = None) -> None:  # max_loras None: LoRA is off
+                 max_loras: int | None = None, prefill_limits: PrefillLimits | None = None) -> None:
+        """`max_loras` None: LoRA is off. `prefill_limits`: default from the config (tests pass a clock)."""
         mode = scheduler_config.preemption_mode or "recompute"  # validated with the engine arguments
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -66,6 +68,7 @@ class Scheduler:
         self.swapped: FCFSQueue | PriorityQueue = PriorityQueue() if self.priority_policy else FCFSQueue()
         self.running: list[Request] = []
         self.lora_slots = LoRASlots(max_loras)
+        self.prefill_limits = prefill_limits or PrefillLimits(scheduler_config)
         self.num_preemptions = 0  # cumulative
         self._reported = (0, 0, 0)  # prefix-cache queries, hits, preemptions at the last make_stats()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
@@ -132,13 +135,15 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted = False
+        limits = self.prefill_limits
+        limits.start_step()
 
         # 1. Running requests, in order.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             remaining = min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
-            num_new = min(remaining, budget)
+            num_new = limits.allowed(req, min(remaining, budget), remaining) if remaining > 0 else 0
             if num_new <= 0 or (num_new < remaining and not chunked):
                 i += 1
                 continue
@@ -188,7 +193,8 @@ class Scheduler:
                     budget -= num_new
 
             # 3. Waiting requests.
-            if not len(self.swapped):
+            if not len(self.swapped) and (not len(self.waiting)
+                                          or limits.may_admit(self.waiting.peek().arrival_time, bool(running))):
                 self._schedule_waiting(budget, num_scheduled, new_block_ids)
 
         # 4. The output, in running order; then the step's tokens count as computed.
@@ -211,15 +217,12 @@ class Scheduler:
             scheduled_nums.append(n)
             req.num_computed_tokens += n
         finished, self._finished_req_ids = self._finished_req_ids, []
-        return SchedulerOutput(
-            new_requests=new_reqs,
-            cached_requests=cached_reqs,
-            scheduled_req_ids=scheduled_ids,
-            num_scheduled_tokens=scheduled_nums,
-            finished_req_ids=finished,
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
-        )
+        if limits.delay_factor > 0:  # did this step run prompt tokens?
+            limits.end_step(any(r.num_computed_tokens - num_scheduled[r.request_id] < r.num_prompt_tokens
+                                for r in running if r.request_id in num_scheduled))
+        return SchedulerOutput(new_requests=new_reqs, cached_requests=cached_reqs, scheduled_req_ids=scheduled_ids,
+                               num_scheduled_tokens=scheduled_nums, finished_req_ids=finished,
+                               blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_block_ids: dict[str, list[int]]) -> None:
@@ -244,6 +247,10 @@ class Scheduler:
                         continue
                     break
                 num_new = budget
+            num_new = self.prefill_limits.allowed(req, num_new, req.num_tokens - num_cached)
+            if num_new == 0:  # over the partial-prefill limits: a later (shorter) request may fit
+                skipped.append(waiting.pop())
+                continue
             blocks = kv.allocate_slots(req, num_new, computed_blocks)
             if blocks is None:
                 break

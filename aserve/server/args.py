@@ -106,6 +106,12 @@ _ENGINE_HELP = {
     "fully_sharded_loras": "shard both LoRA matmuls across tensor-parallel ranks (no-op with one rank; refused with more)",
     "long_lora_scaling_factors": "LongLoRA scaling factors (refused: LongLoRA is not implemented)",
     "qlora_adapter_name_or_path": "a QLoRA adapter over a bitsandbytes base (refused: not implemented)",
+    "scheduler_delay_factor": "while requests run, admit new prompts only after factor x the last prompt step's "
+                              "latency (batches arrivals into fewer prefill steps)",
+    "max_num_partial_prefills": "prefills whose chunk does not finish their prompt, per step",
+    "max_long_partial_prefills": "of those, how many may be long (over --long-prefill-token-threshold), so "
+                                 "short prompts get through while long ones prefill",
+    "long_prefill_token_threshold": "a prompt longer than this is long; each prefill chunk is capped at it",
     "task": "what the model serves: auto, generate, embed (alias embedding), classify, score (a cross-encoder) "
             "or encode (raw pooled states)",
     "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",
@@ -140,6 +146,7 @@ _ENGINE_DEFAULTS = {
     "tokenizer_revision": "None: the latest",
     "code_revision": "None: the latest",
     "max_cpu_loras": "None: --max-loras",
+    "long_prefill_token_threshold": "0: no cap (4%% of --max-model-len with --max-num-partial-prefills > 1)",
     "task": "'auto': generate for causal LMs, embed (classify for a classifier head) for encoders",
     "override_pooler_config": "None: the model's (sentence-transformers files, else the architecture's)",
 }
