@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import os
 import types
 import typing
@@ -108,6 +109,8 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: none, or 4% of max_model_len with max_num_partial_prefills > 1
+    # a `Scheduler` subclass by dotted path (None, or vLLM's default names: aserve's own)
+    scheduler_cls: str | None = None
     rope_scaling: dict[str, Any] | None = None
     rope_theta: float | None = None
     hf_overrides: dict[str, Any] | None = None
@@ -219,6 +222,8 @@ class EngineArgs:
         require(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills, "max_long_partial_prefills",
                 f"must be in [1, max_num_partial_prefills={self.max_num_partial_prefills}], "
                 f"got {self.max_long_partial_prefills}")
+        require(self.scheduler_cls is None or re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self.scheduler_cls)
+                is not None, "scheduler_cls", f"must be a dotted path 'package.module.Class', got {self.scheduler_cls!r}")
         require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                 f"must be >= 0, got {self.long_prefill_token_threshold}")
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",

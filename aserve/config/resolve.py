@@ -53,6 +53,9 @@ BUNDLED_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # vLLM derives the step budget from the context; on CPUs a step of 2048 prompt tokens takes seconds
 # and stalls every running stream, so the budget is smaller there.
 _DEFAULT_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
+# vLLM's default --scheduler-cls values: they mean "the engine's own scheduler"
+VLLM_DEFAULT_SCHEDULERS = (None, "vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler",
+                           "aserve.core.scheduler.Scheduler")
 
 
 def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str | None,
@@ -170,6 +173,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             long_prefill_token_threshold=args.long_prefill_token_threshold or (
                 int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0),
             scheduler_delay_factor=args.scheduler_delay_factor,
+            scheduler_cls=None if args.scheduler_cls in VLLM_DEFAULT_SCHEDULERS else args.scheduler_cls,
         ),
         load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec,
                         ignore_patterns=args.resolved_ignore_patterns()),

@@ -73,6 +73,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     scheduler_delay_factor: float = 0.0
+    scheduler_cls: str | None = None  # a Scheduler subclass by dotted path (None: aserve's own)
 
 
 @dataclass(frozen=True)

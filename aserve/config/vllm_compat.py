@@ -99,8 +99,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
     "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
     "num_lookahead_slots": _todo("int", 0, "KV slots reserved past the known tokens, for speculative decoding"),
-    "scheduler_cls": _todo("str", None, "a custom Scheduler subclass by dotted path",
-                           accepted=("vllm.core.scheduler.Scheduler",)),
     "tokenizer_pool_size": _todo("int", 0, "tokenizing in a pool of workers"),
     "tokenizer_pool_type": _todo("str", "ray", "the tokenizer pool's kind"),
     "tokenizer_pool_extra_config": _todo("json", None, "the tokenizer pool's extra config"),

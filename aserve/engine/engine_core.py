@@ -11,15 +11,31 @@ facts reach the front as `EngineCoreOutput.events` and `EngineCoreOutputs.schedu
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-from aserve.config import AserveConfig, KVCacheInfo
+from aserve.config import AserveConfig, ConfigError, KVCacheInfo
 from aserve.core.batch import EngineCoreOutput, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
 from aserve.core.stats import SchedulerStats
 from aserve.executor.base import Executor
 from aserve.lora.request import LoRARequest
+
+
+def load_scheduler_class(path: str | None) -> type[Scheduler]:
+    """`--scheduler-cls`: the class at the dotted `path` (None: `Scheduler`). ConfigError naming the flag
+    unless it imports and subclasses `Scheduler` (whose constructor and step protocol it keeps)."""
+    if path is None:
+        return Scheduler
+    module_name, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--scheduler-cls: cannot import {path!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ConfigError(f"--scheduler-cls: {path!r} is not a subclass of aserve.core.scheduler.Scheduler")
+    return cls
 
 
 @dataclass
@@ -40,7 +56,8 @@ class EngineCore:
         self.runner_info = info
         kv = KVCacheInfo(num_blocks=info.num_blocks, num_cpu_blocks=info.num_cpu_blocks, block_size=info.block_size)
         lora = config.lora
-        self.scheduler = Scheduler(config.scheduler, config.cache, kv, lora.max_loras if lora.enable_lora else None)
+        scheduler_cls = load_scheduler_class(config.scheduler.scheduler_cls)
+        self.scheduler = scheduler_cls(config.scheduler, config.cache, kv, lora.max_loras if lora.enable_lora else None)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -112,6 +112,7 @@ _ENGINE_HELP = {
     "max_long_partial_prefills": "of those, how many may be long (over --long-prefill-token-threshold), so "
                                  "short prompts get through while long ones prefill",
     "long_prefill_token_threshold": "a prompt longer than this is long; each prefill chunk is capped at it",
+    "scheduler_cls": "a Scheduler subclass by dotted path (package.module.Class), checked at start-up",
     "task": "what the model serves: auto, generate, embed (alias embedding), classify, score (a cross-encoder) "
             "or encode (raw pooled states)",
     "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",
@@ -147,6 +148,7 @@ _ENGINE_DEFAULTS = {
     "code_revision": "None: the latest",
     "max_cpu_loras": "None: --max-loras",
     "long_prefill_token_threshold": "0: no cap (4%% of --max-model-len with --max-num-partial-prefills > 1)",
+    "scheduler_cls": "None: aserve.core.scheduler.Scheduler (vLLM's default names mean the same)",
     "task": "'auto': generate for causal LMs, embed (classify for a classifier head) for encoders",
     "override_pooler_config": "None: the model's (sentence-transformers files, else the architecture's)",
 }

@@ -120,7 +120,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--root-path": {"seeds": "001", "status": "implemented", "test": "tests/server/test_http.py::test_restricted_cors_and_root_path"},
     "--rope-scaling": {"seeds": "001 002 003", "status": "implemented", "test": "tests/model/test_phi3.py::test_legacy_longrope_config_reads_as_transformers"},
     "--rope-theta": {"seeds": "001 003", "status": "implemented", "test": "tests/model/test_rotary.py::test_longrope_table_matches_transformers_per_factor_set"},
-    "--scheduler-cls": {"seeds": "003", "status": "refused", "message": "not implemented yet"},
+    "--scheduler-cls": {"seeds": "003", "status": "implemented", "test": "tests/engine/test_scheduler_cls.py::test_custom_scheduler_class_runs_the_steps"},
     "--scheduler-delay-factor": {"seeds": "001 003 004", "status": "implemented", "test": "tests/core/test_prefill_limits.py::test_delay_factor_holds_new_prompts_while_requests_run"},
     "--scheduling-policy": {"seeds": "003", "status": "implemented", "test": "tests/e2e/test_hf_equivalence.py::test_tiny_llama_matches_hf"},
     "--seed": {"seeds": "000 001 002 003", "status": "implemented", "test": "tests/test_sampling_params.py::test_seed_takes_the_int64_range"},
