@@ -19,26 +19,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from aserve.kernels.c_build import DISABLE_ENV, FORCE_NATIVE_ENV, compile_library, kernels_disabled
+from aserve.kernels.c_build import log_once as _log_once
+
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "ASERVE_CPU_KERNELS"  # "0": never build or use the C kernels
-FORCE_NATIVE_ENV = "ASERVE_FORCE_NATIVE_OPS"  # "1": every op in its pure-torch form (model/layers/custom_op.py)
-CACHE_ENV = "ASERVE_CACHE_DIR"
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c")  # both include cpu_common.h
 _HEADER = _HERE / "cpu_common.h"
-_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 
 _BF16 = torch.bfloat16
 _ROW_DTYPES = (torch.bfloat16, torch.float32)  # inputs the norm and the activation take
@@ -55,42 +49,10 @@ _SIGNATURES = {
 }
 
 
-def _cpu_signature() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags")
-    lines = [line for line in info.splitlines() if line.split(":", 1)[0].strip() in wanted]
-    return "\n".join(sorted(set(lines)))
-
-
-def _build(compiler: str, cache_dir: Path, march: str) -> Path:
-    flags = [*_FLAGS, f"-march={march}"]
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:20]
-    target = cache_dir / f"cpu_ops-{march}-{key}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)  # concurrent builders each write their own
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
-                       check=True)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 def load() -> CpuKernels | None:
     """The compiled kernels, or None where they are switched off or cannot be built here (the reason
     is logged once per process)."""
-    if os.environ.get(DISABLE_ENV) == "0" or os.environ.get(FORCE_NATIVE_ENV) == "1":
+    if kernels_disabled():
         _log_once(logging.INFO, f"CPU kernels: off ({DISABLE_ENV}=0 or {FORCE_NATIVE_ENV}=1); ops use torch forms")
         return None
     return _load_native()
@@ -112,16 +74,9 @@ def build(march: str = "native") -> CpuKernels:
     """Compile (or reuse from the cache) the kernels for `-march=<march>` and load them; raises OSError
     (no compiler, cannot load) or CalledProcessError (the compiler failed). Tests build other ISAs
     (`x86-64-v2`, `x86-64-v3`) to check the portable code paths on any x86 CPU."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise OSError(f"no C compiler {compiler!r} on PATH")
-    cache_dir = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "aserve") / "kernels"
-    return CpuKernels(ctypes.CDLL(str(_build(compiler, cache_dir, march))))
+    return CpuKernels(compile_library("cpu_ops", _SOURCES, (_HEADER,), march))
 
 
-@functools.cache
-def _log_once(level: int, message: str) -> None:
-    logger.log(level, message)
 
 
 def _fp16_exact(t: torch.Tensor) -> bool:

@@ -8,9 +8,11 @@ parts of a fused layer, e.g. q|k|v):
   lora_b  `[S, out, R]`: output rows of shard i (`output_slices[i]` rows, in order) use shard i's B;
   lora_bias `[S, out]` (optional); rows past a shard's rank are zero.
 
-CPU (`lora_delta_cpu`): tokens grouped by slot (`perm`, `segments` of the step's mapping); per active
-slot one shrink matmul over all the slot's tokens and one expand matmul per output slice, sliced to
-the slot's actual rank. CUDA (`lora_shrink`, `lora_expand`): BGMV-style Triton kernels, one program
+CPU with bf16 LoRA weights: one C call per layer (`lora_cpu.py`, `lora_cpu.c`). The torch forms here
+are the CPU fallback (float32 / float16 LoRA weights, no C compiler, torch.compile): `lora_delta_dense`
+for small steps (every slot at once, masked) and `lora_delta_cpu`, tokens grouped by slot (`perm`,
+`segments` of the step's mapping): per active slot one shrink matmul over all the slot's tokens and
+one expand matmul per output slice, sliced to the slot's actual rank. CUDA (`lora_shrink`, `lora_expand`): BGMV-style Triton kernels, one program
 per (token, tile of rows), each reading its token's slot from `token_slots` on the device: no host
 sync and no data-dependent launch, so a CUDA graph can capture them and replay over new slots. Both
 accumulate in fp32. The torch references are `ref_lora_shrink` / `ref_lora_expand`.

@@ -31,7 +31,6 @@ from aserve.lora.errors import LoRAAdapterError
 from aserve.model.layers.linear import Linear, MergedLinear
 from aserve.model.lora.layers import LORA_DTYPES, LoRAShardWeights, full_input_size, full_output_sizes
 
-
 _PEFT_PREFIX = "base_model.model."
 # <module>.lora_A.weight | <module>.lora_B.weight | <module>.lora_B.bias (an adapter name may precede the leaf)
 _TENSOR_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.[^.]+)?\.(?P<leaf>weight|bias)$")

@@ -12,6 +12,12 @@ in the layout of `aserve/kernels/lora_ops.py`:
   lora_b     `[max_loras, output_size, max_rank]` (rows of shard i use shard i's B)
   lora_bias  `[max_loras, output_size]` with `enable_lora_bias`, else None
   lora_ranks host list, one rank per slot (0 = empty or not targeted by the slot's adapter)
+  lora_cpu_kernel  on CPU with bf16 LoRA weights, the C kernel (`aserve/kernels/lora_cpu.py`) when it
+                   builds, else None; when set, also
+  lora_b_tiles  `[max_loras, ceil(output_size / 16), max_rank, 16]`, each slot's lora_b tiled (`tile_b`)
+  lora_rank_array  int64 `[max_loras]`, lora_ranks as a tensor; lora_slice_array int64 `[num_shards]`
+(else lora_b_tiles is None). CPU steps then take that kernel: one call per layer, each token multiplied
+only by its own slot's weights.
 Sizes are this rank's under tensor parallelism. `set_slot` takes checkpoint-sized (unsharded) weights
 with scaling already folded in and keeps this rank's part: a COLUMN layer's B and bias rows (each
 part's slice, `part_replicas` respected), a ROW layer's A input columns (B whole; the delta is added
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from aserve.config import LoRAConfig
+from aserve.kernels import lora_cpu
 from aserve.kernels.lora_ops import lora_delta_cpu, lora_delta_dense, lora_expand, lora_shrink
 from aserve.model.forward_context import get_forward_context
 from aserve.model.layers.linear import COLUMN, ROW, Linear, MergedLinear
@@ -33,8 +40,9 @@ from aserve.model.lora.mapping import LoRABatchMapping
 from aserve.model.quantization.base import LinearMethodBase
 
 LORA_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# CPU steps of at most this many tokens take the dense path (one shrink over every slot, a mask, one
-# expand: few ops per layer); longer ones the grouped path (no work wasted on other slots' columns).
+# Without the C kernel (`lora_cpu_kernel` None: float32 / float16 LoRA weights, no compiler) or under
+# torch.compile, CPU steps of at most this many tokens take the dense path (one shrink over every slot,
+# a mask, one expand: few ops per layer); longer ones the grouped path (no work on other slots' columns).
 DENSE_MAX_TOKENS = 128
 # The dense path keeps B block-diagonally per slot (`lora_b_dense`), sized output x slots x rank x
 # shards; above this many slot-rank columns per shard it is not kept and CPU steps are grouped.
@@ -87,7 +95,11 @@ def add_lora_delta(layer: Linear, x: torch.Tensor, y: torch.Tensor, mapping: LoR
     if y2.stride(-1) != 1:
         y2 = y2.contiguous()
     lora_bias = layer.lora_bias if layer.lora_adds_bias else None
-    if x2.is_cuda:  # per-token kernels, no host data: capturable in a CUDA graph
+    kernel = layer.lora_cpu_kernel
+    if kernel is not None and kernel.accepts(x2, y2, layer.lora_a):  # CPU, bf16: one C call
+        kernel.lora_delta(x2, mapping.token_slots, layer.lora_a, layer.lora_rank_array, layer.lora_b_tiles,
+                          layer.lora_slice_array, y2, lora_bias)
+    elif x2.is_cuda:  # per-token kernels, no host data: capturable in a CUDA graph
         shrunk = lora_shrink(x2, layer.lora_a, mapping.token_slots)
         lora_expand(shrunk, layer.lora_b, mapping.token_slots, y2, layer.lora_output_slices, lora_bias)
     elif layer.lora_b_dense is not None and mapping.num_tokens <= DENSE_MAX_TOKENS:
@@ -143,6 +155,15 @@ def add_lora_to_layer(layer: Linear, lora_config: LoRAConfig, device: torch.devi
     if torch.device(device).type == "cpu" and slots * rank <= DENSE_MAX_COLUMNS:
         dense = torch.zeros(layer.output_size, slots * rank * len(slices), dtype=dtype, device=device)
     layer.register_buffer("lora_b_dense", dense, persistent=False)
+    on_cpu_bf16 = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    kernel = lora_cpu.load() if on_cpu_bf16 else None
+    layer.lora_cpu_kernel = kernel
+    tiles = None
+    if kernel is not None:
+        tiles = torch.zeros(slots, -(-layer.output_size // 16), rank, 16, dtype=dtype, device=device)
+    layer.register_buffer("lora_b_tiles", tiles, persistent=False)
+    layer.lora_rank_array = torch.zeros(slots, dtype=torch.int64)
+    layer.lora_slice_array = lora_cpu.slice_array(slices)
     layer.lora_ranks = [0] * slots
     layer.lora_output_slices = slices
     ctx = layer.parallel
@@ -157,9 +178,12 @@ def clear_slot(layer: Linear, slot: int) -> None:
     layer.lora_b[slot].zero_()
     if layer.lora_b_dense is not None:
         _dense_view(layer)[:, slot].zero_()
+    if layer.lora_b_tiles is not None:
+        layer.lora_b_tiles[slot].zero_()
     if layer.lora_bias is not None:
         layer.lora_bias[slot].zero_()
     layer.lora_ranks[slot] = 0
+    layer.lora_rank_array[slot] = 0
 
 
 def set_slot(layer: Linear, slot: int, shard_weights: Sequence[LoRAShardWeights | None]) -> None:
@@ -198,6 +222,9 @@ def set_slot(layer: Linear, slot: int, shard_weights: Sequence[LoRAShardWeights 
             rank = max(rank, r)
         offset += size
     layer.lora_ranks[slot] = rank
+    layer.lora_rank_array[slot] = rank
+    if layer.lora_b_tiles is not None:
+        layer.lora_b_tiles[slot].copy_(lora_cpu.tile_b(layer.lora_b[slot]))
     if layer.lora_b_dense is not None:  # shard i's B rows in slot's rank columns of shard i
         dense = _dense_view(layer)
         offset = 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from aserve.distributed.context import ParallelContext
+from aserve.kernels.lora_ops import lora_delta_dense, ref_lora_expand, ref_lora_shrink
 from aserve.model.forward_context import ForwardContext, get_forward_context, set_forward_context
 from aserve.model.layers.linear import COLUMN, ROW, Linear, MergedLinear
 from aserve.model.lora.layers import (
@@ -14,6 +15,7 @@ from aserve.model.lora.layers import (
     LoRAShardWeights,
     add_lora_delta,
     add_lora_to_layer,
+    clear_slot,
     set_slot,
 )
 from aserve.model.lora.mapping import build_lora_mapping
@@ -191,3 +193,45 @@ def test_cpu_dense_and_grouped_paths_give_the_naive_delta(path, monkeypatch):
         if slot >= 0:
             expected[t] += _delta(x[t:t + 1], adapters[slot])[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [7, 300], ids=["decode-sized", "prefill-sized"])
+def test_bf16_cpu_layers_take_the_c_kernel_and_agree_with_the_torch_path(num_tokens, monkeypatch):
+    """bf16 LoRA weights on CPU go to the C kernel (one call per layer, any step size): fp32 math rounded
+    once, so within one bf16 step of the fp32 reference; the torch fallback (dense) agrees loosely (it
+    also rounds the shrink to bf16)."""
+    import aserve.model.lora.layers as lora_layers
+    from aserve.kernels import lora_cpu
+
+    if lora_cpu.load() is None:
+        pytest.skip("the LoRA C kernel cannot be built here")
+    layer = _merged()
+    layer.to(torch.bfloat16)
+    add_lora_to_layer(layer, lora_config(lora_dtype="bfloat16", enable_lora_bias=True), "cpu")
+    assert layer.lora_cpu_kernel is not None and layer.lora_b_tiles is not None
+    gen = torch.Generator().manual_seed(6)
+    set_slot(layer, 0, _shards(gen, (8, 4, None), bias=True))
+    set_slot(layer, 2, _shards(gen, (16, 16, 2)))
+    slots = [(2, -1, 0, 2, 0, -1, 2)[t % 7] for t in range(num_tokens)]
+    x = torch.randn(num_tokens, IN, generator=gen).bfloat16()
+    base = layer(x)
+    mapping = build_lora_mapping(slots, "cpu")
+    with set_forward_context(ForwardContext(lora=mapping)):
+        got = layer(x)
+    calls = []
+    monkeypatch.setattr(lora_layers, "lora_delta_dense", lambda *a, **k: calls.append(1) or lora_delta_dense(*a, **k))
+    monkeypatch.setattr(layer, "lora_cpu_kernel", None)  # the torch fallback (dense: DENSE_MAX_TOKENS raised)
+    monkeypatch.setattr(lora_layers, "DENSE_MAX_TOKENS", 10_000)
+    with set_forward_context(ForwardContext(lora=mapping)):
+        want = layer(x)
+    assert calls
+    base_rows = torch.tensor(slots) < 0
+    assert torch.equal(got[base_rows], base[base_rows])
+    # fp32 math on the stored bf16 weights, rounded once: the C kernel is within one bf16 step of it
+    exact = ref_lora_expand(ref_lora_shrink(x, layer.lora_a, mapping.token_slots), layer.lora_b,
+                            mapping.token_slots, base.float(), layer.lora_output_slices, layer.lora_bias)
+    step = exact.abs().clamp_min(1e-30) * 2**-7
+    assert bool(((got.float() - exact).abs() <= step).all())
+    torch.testing.assert_close(want.float(), exact, atol=0.5, rtol=0.05)  # the torch path rounds the shrink too
+    clear_slot(layer, 2)
+    assert not layer.lora_b_tiles[2].any() and layer.lora_rank_array.tolist() == [8, 0, 0]
