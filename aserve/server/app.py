@@ -1,9 +1,10 @@
 """The starlette app factory: routes, middleware (CORS, root path, draining, API key), error handlers.
 
 The routes are listed once (`_operations`); the starlette routes, `/openapi.json` and `/docs` are all
-built from that list. As in vLLM, the API key guards /v1/* only (plus /reset_prefix_cache, which
-changes server state); /health, /metrics, /version, /tokenize, /detokenize, /openapi.json and
-/docs stay open.
+built from that list. As in vLLM, the API key guards /v1/*; unlike vLLM, also /reset_prefix_cache
+(it changes server state) and the pooling routes outside /v1 (/score, /rerank, /v2/rerank,
+/classify: they run the model); /health, /metrics, /version, /tokenize, /detokenize, /openapi.json
+and /docs stay open.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from aserve.server import chat, completions, lora, misc
+from aserve.server import chat, completions, embeddings, lora, misc, scoring
+from aserve.server import pooling_protocol as pp
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
 from aserve.server.errors import APIError, body_too_large, http_error
@@ -34,7 +36,12 @@ from aserve.server.state import EngineClient, ServerState
 logger = logging.getLogger("aserve.server")
 
 _GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-_KEYED_PATHS = frozenset({"/reset_prefix_cache"})  # outside /v1, yet guarded by the API key
+_SCORE_PATHS = ("/score", "/v1/score")
+_RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+# Requests that reach the engine: the early 429 and the rejection metrics cover them
+_ENGINE_PATHS = frozenset(_GENERATION_PATHS + ("/v1/embeddings", "/classify") + _SCORE_PATHS + _RERANK_PATHS)
+# outside /v1, yet guarded by the API key: a change of server state, and routes that run the model
+_KEYED_PATHS = frozenset({"/reset_prefix_cache", "/score", "/rerank", "/v2/rerank", "/classify"})
 
 
 def requires_api_key(path: str) -> bool:
@@ -100,7 +107,7 @@ class GateMiddleware:
                 return
             if matched[0] is not None:
                 scope = {**scope, "state": {**scope.get("state", {}), "client_id": matched[0]}}
-        if scope["method"] == "POST" and _route_path(scope) in _GENERATION_PATHS:
+        if scope["method"] == "POST" and _route_path(scope) in _ENGINE_PATHS:
             try:
                 self.state.check_queue_not_full()
             except APIError as exc:
@@ -136,7 +143,7 @@ def _limited(receive: Receive, limit: int) -> Receive:
 
 def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    if _route_path(request.scope) in _GENERATION_PATHS and exc.status != 504:  # a timeout counts as an abort
+    if _route_path(request.scope) in _ENGINE_PATHS and exc.status != 504:  # a timeout counts as an abort
         reason = "overloaded" if exc.status == 429 else "invalid_request" if exc.status < 500 else "error"
         request.app.state.aserve.metrics.record_rejected(reason)
     return exc.to_response()
@@ -189,6 +196,18 @@ def _operations(runtime_lora_updates: bool = False) -> list[Operation]:
             response=p.CompletionResponse,
             stream_chunk=p.CompletionResponse,
         ),
+        Operation("POST", "/v1/embeddings", embeddings.create_embedding,
+                  "Create embeddings (OpenAI API; a model served with --task embed)",
+                  request=pp.EmbeddingRequest, response=pp.EmbeddingResponse),
+        *[Operation("POST", path, scoring.create_score,
+                    "Score text pairs: a cross-encoder's scores or the cosine similarity of embeddings (vLLM API)",
+                    request=pp.ScoreRequest, response=pp.ScoreResponse) for path in _SCORE_PATHS],
+        *[Operation("POST", path, scoring.create_rerank,
+                    "Rerank documents against a query, best first (Jina / Cohere API, as vLLM serves it)",
+                    request=pp.RerankRequest, response=pp.RerankResponse) for path in _RERANK_PATHS],
+        Operation("POST", "/classify", embeddings.create_classification,
+                  "Classify texts (vLLM API; a *ForSequenceClassification model)",
+                  request=pp.ClassificationRequest, response=pp.ClassificationResponse),
         Operation("GET", "/v1/models", misc.list_models, "List the served model names", response=p.ModelList),
         Operation("GET", "/health", misc.health, "200 (empty) while the engine is healthy, 503 otherwise"),
         Operation("GET", "/version", misc.version, "The aserve version", response=dict[str, str]),

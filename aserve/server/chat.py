@@ -46,6 +46,7 @@ from aserve.server.protocol import (
 from aserve.server.chat_template import content_text
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
+from aserve.server.pooling import require_generation
 from aserve.server.state import ServerState, client_id_of, get_state, logger
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -152,6 +153,7 @@ async def create_chat_completion(request: Request) -> Response:
     deadline = state.request_deadline()
     req = decode_body(await request.body(), _decoder)
     model = state.check_model(req.model)
+    require_generation(state, "/v1/chat/completions")
     state.require_tokenizer("messages")
     _reject_unsupported(req)
     plan = ChatOutputPlan.from_request(req, state.args)

@@ -39,6 +39,7 @@ from aserve.server.protocol import (
 )
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
+from aserve.server.pooling import require_generation
 from aserve.server.state import ServerState, client_id_of, get_state, logger
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
@@ -125,6 +126,7 @@ async def create_completion(request: Request) -> Response:
     deadline = state.request_deadline()
     req = decode_body(await request.body(), _decoder)
     model = state.check_model(req.model)
+    require_generation(state, "/v1/completions")
     _reject_unsupported(req)
     include_usage, continuous_usage = check_stream_options(req)
     raw_prompts = normalize_prompts(req.prompt)

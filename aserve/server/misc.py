@@ -41,8 +41,9 @@ async def list_models(request: Request) -> Response:
     state = get_state(request)
     created = int(time.time())
     root = state.model_config.model or state.model_config.model_path
+    task = state.pooling.task if state.pooling is not None else "generate"
     cards = [
-        ModelCard(id=name, created=created, root=root, max_model_len=state.max_model_len)
+        ModelCard(id=name, created=created, root=root, max_model_len=state.max_model_len, task=task)
         for name in state.served_model_names
     ]
     base = state.served_model_names[0]

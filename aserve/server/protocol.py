@@ -374,6 +374,7 @@ class ModelCard(Struct):
     owned_by: str = "aserve"
     parent: str | None = None
     permission: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    task: str = "generate"  # what the model serves (--task): "generate", "embed", "classify", "score", "encode"
 
 
 class ModelList(Struct):

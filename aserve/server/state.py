@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
-from aserve.config import ModelConfig
+from aserve.config import AserveConfig, ModelConfig
+from aserve.config.pooling import PoolingConfig
 from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
@@ -62,14 +64,15 @@ class EngineClient(Protocol):
     """The AsyncEngine interface the server relies on."""
 
     model_config: ModelConfig
+    config: AserveConfig
     tokenizer: Any
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        prompt: str | tuple[str, str] | None,  # a text pair only with PoolingParams (cross-encoders)
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         client_id: str | None = None,  # a hash of the API key (fair sharing), never the key
         lora_request: LoRARequest | None = None,
@@ -133,10 +136,11 @@ class ServerState:
         if tokenizer is None:
             logger.info("no tokenizer (--skip-tokenizer-init): only token-id prompts on /v1/completions")
         elif template is None:
-            logger.warning(
-                "no chat template: the tokenizer has none, --chat-template is not set and no bundled "
-                "template fits; /v1/chat/completions will answer 400 until one is given"
-            )
+            if engine.config.pooling is None:  # a pooling model never chats
+                logger.warning(
+                    "no chat template: the tokenizer has none, --chat-template is not set and no bundled "
+                    "template fits; /v1/chat/completions will answer 400 until one is given"
+                )
         else:
             logger.info("chat template: %s", template.source)
         max_prompt_chars = None
@@ -170,6 +174,11 @@ class ServerState:
         return self.model_config.max_model_len
 
     @property
+    def pooling(self) -> PoolingConfig | None:
+        """What a pooling engine serves (None: the engine generates text)."""
+        return self.engine.config.pooling
+
+    @property
     def lora_enabled(self) -> bool:
         return self.engine.loras.enabled
 
@@ -200,20 +209,25 @@ class ServerState:
     def add_request(
         self,
         request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
+        prompt: str | tuple[str, str] | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams | PoolingParams,
         priority: int,
         client_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        admit: bool = True,
     ) -> PromptStream:
         """Hand a request to the engine. Raises SamplingParamsError (naming the field in
         SamplingParams' terms: the handler maps it to a 400), a 429 APIError over an admission cap
         (checked here, with no await before the engine queues it, so concurrent requests cannot
-        overshoot), or a 503 APIError if the engine is down. `client_id` is a hash of the API key."""
+        overshoot; `admit=False`: the caller checked a whole batch with `check_load` and queues it
+        with no await in between), or a 503 APIError if the engine is down. `client_id` is a hash
+        of the API key. `prompt_token_ids` None: the engine tokenizes `prompt` (pooling only)."""
         if not self.engine.is_healthy():
             raise APIError(503, "the engine is not running", code="engine_dead")
-        self.check_admission(prompt_token_ids, params)
+        if admit:
+            assert isinstance(params, SamplingParams) and prompt_token_ids is not None
+            self.check_admission(prompt_token_ids, params)
         self.log_request(request_id, prompt, prompt_token_ids, params)
         try:
             stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, client_id,
@@ -228,23 +242,26 @@ class ServerState:
         """A 429 (Retry-After) when queueing this request would pass --max-num-queued-reqs (a request
         with n samples counts n) or --max-num-queued-tokens (prompt tokens not yet computed, each
         sample's counted). An idle engine takes any request, so a cap never makes one impossible."""
+        num_prompt = len(prompt_token_ids)
+        if params.truncate_prompt_tokens is not None:
+            num_prompt = min(num_prompt, params.truncate_prompt_tokens)
+        self.check_load(params.num_samples, params.num_samples * num_prompt)
+
+    def check_load(self, num_new_reqs: int, num_new_tokens: int) -> None:
+        """`check_admission` for `num_new_reqs` engine requests holding `num_new_tokens` prompt tokens
+        in all (a batch of pooling inputs is admitted, or refused, as a whole)."""
         max_reqs, max_tokens = self.args.max_num_queued_reqs, self.args.max_num_queued_tokens
         if not (max_reqs or max_tokens):
             return
         num_reqs, num_tokens = self.engine.queued_load(bool(max_tokens))
         if num_reqs == 0:
             return
-        num_samples = params.num_samples
-        if max_reqs and num_reqs + num_samples > max_reqs:
+        if max_reqs and num_reqs + num_new_reqs > max_reqs:
             raise self.queue_full(num_reqs)
-        if max_tokens:
-            num_prompt = len(prompt_token_ids)
-            if params.truncate_prompt_tokens is not None:
-                num_prompt = min(num_prompt, params.truncate_prompt_tokens)
-            if num_tokens + num_samples * num_prompt > max_tokens:
-                raise overloaded(f"the server is at capacity: {num_tokens} prompt tokens queued "
-                                 f"(--max-num-queued-tokens {max_tokens}); retry later",
-                                 self.drain_rate.retry_after_s(num_reqs, num_tokens))
+        if max_tokens and num_tokens + num_new_tokens > max_tokens:
+            raise overloaded(f"the server is at capacity: {num_tokens} prompt tokens queued "
+                             f"(--max-num-queued-tokens {max_tokens}); retry later",
+                             self.drain_rate.retry_after_s(num_reqs, num_tokens))
 
     def check_queue_not_full(self) -> None:
         """The early form of the --max-num-queued-reqs cap, before the body is read: a 429 when the
@@ -304,14 +321,14 @@ class ServerState:
             except Exception:  # the engine may be dead already; the request is gone either way
                 logger.exception("aborting request %s failed", request_id)
 
-    def log_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
+    def log_request(self, request_id: str, prompt: str | tuple[str, str] | None,
+                    prompt_token_ids: list[int] | None, params: SamplingParams | PoolingParams) -> None:
         if self.args.disable_log_requests:
             return
         limit = self.args.max_log_len
         shown_prompt = prompt[:limit] if (prompt is not None and limit is not None) else prompt
-        shown_ids = prompt_token_ids[:limit] if limit is not None else prompt_token_ids
+        shown_ids = prompt_token_ids[:limit] if (prompt_token_ids is not None and limit is not None) \
+            else prompt_token_ids
         logger.info(
             "Received request %s: prompt: %r, params: %r, prompt_token_ids: %s",
             request_id,

@@ -66,7 +66,9 @@ def test_document_lists_every_route_the_app_serves(live, doc):
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             assert op["responses"]["4XX"] == {"$ref": "#/components/responses/Error"}, (method, path)
-            assert ("security" in op) == (path.startswith("/v1") or path == "/reset_prefix_cache"), path
+            keyed = path.startswith("/v1") or path in ("/reset_prefix_cache", "/score", "/rerank", "/v2/rerank",
+                                                       "/classify")  # outside /v1: state changes, model runs
+            assert ("security" in op) == keyed, path
             if method == "post" and path != "/reset_prefix_cache":
                 ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
                 assert ref.rsplit("/", 1)[-1] in doc["components"]["schemas"]
