@@ -2,7 +2,7 @@
 (HTTP, a fresh `aserve --model all-minilm` server) against sentence-transformers' `encode` in-process,
 in one run on this machine.
 
-    python -m benchmarks.embeddings [--dtypes float32 bfloat16] [--repeats 3]
+    python benchmarks/embeddings.py [--dtypes float32 bfloat16] [--repeats 3]
 
 Inputs: 256 real short sentences, and 256 inputs of exactly 256 tokens (MiniLM's limit). Batch 1 sends
 one input per request, one request at a time (c = 1; 64 requests); batch 256 sends all 256 inputs in
@@ -21,7 +21,9 @@ import time
 
 import httpx
 
-from benchmarks.peers import HOST, free_port, stop, wait_ready
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # peers.py (a script's module) and the repository
+from peers import HOST, free_port, stop, wait_ready  # noqa: E402
 
 BATCH1_REQUESTS = 64
 
@@ -90,7 +92,6 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from transformers import AutoTokenizer
 
     from aserve.model_source import resolve_model
