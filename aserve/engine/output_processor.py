@@ -12,12 +12,11 @@ why) and nothing else; its samples still scheduled are returned in `reqs_to_abor
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
-import logging
-
-from aserve.core.batch import EngineCoreEventType, EngineCoreOutput, TokenLogprobs
+from aserve.core.batch import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, TokenLogprobs
 from aserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, decode_token_texts
 from aserve.engine.stats import FinishedRequestStats, IterationStats
 from aserve.lora.request import LoRARequest
@@ -25,6 +24,16 @@ from aserve.outputs import CompletionOutput, Logprob, RequestError, RequestMetri
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def record_events(m: RequestMetrics, events: list[EngineCoreEvent]) -> None:
+    """Scheduling events into a request's metrics: its first scheduling (queue time) and preemptions."""
+    for event in events:
+        if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
+            m.first_scheduled_time = event.timestamp
+            m.time_in_queue = max(event.timestamp - m.arrival_time, 0.0)
+        elif event.type == EngineCoreEventType.PREEMPTED:
+            m.num_preemptions += 1
 
 
 def child_request_id(request_id: str, index: int, num_samples: int) -> str:
@@ -210,13 +219,7 @@ class OutputProcessor:
 
     @staticmethod
     def _record_events(state: RequestState, out: EngineCoreOutput) -> None:
-        m = state.metrics
-        for event in out.events:
-            if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
-                m.first_scheduled_time = event.timestamp
-                m.time_in_queue = max(event.timestamp - m.arrival_time, 0.0)
-            elif event.type == EngineCoreEventType.PREEMPTED:
-                m.num_preemptions += 1
+        record_events(state.metrics, out.events)
 
     def _record_token_timing(self, state: RequestState, stats: IterationStats, now: float, num_new: int,
                              num_cached: int) -> None:

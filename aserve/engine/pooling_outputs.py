@@ -11,8 +11,8 @@ import time
 from array import array
 from dataclasses import dataclass
 
-from aserve.core.batch import EngineCoreEventType, EngineCoreOutput, PooledData
-from aserve.engine.output_processor import ProcessedOutputs
+from aserve.core.batch import EngineCoreOutput, PooledData
+from aserve.engine.output_processor import ProcessedOutputs, record_events
 from aserve.engine.stats import FinishedRequestStats, IterationStats
 from aserve.outputs import PoolingOutput, PoolingRequestOutput, RequestError, RequestMetrics
 
@@ -68,12 +68,7 @@ class PoolingOutputProcessor:
             if state is None:
                 continue  # aborted meanwhile
             m = state.metrics
-            for event in out.events:
-                if event.type == EngineCoreEventType.SCHEDULED and m.first_scheduled_time is None:
-                    m.first_scheduled_time = event.timestamp
-                    m.time_in_queue = max(event.timestamp - m.arrival_time, 0.0)
-                elif event.type == EngineCoreEventType.PREEMPTED:
-                    m.num_preemptions += 1
+            record_events(m, out.events)
             m.finished_time = m.last_token_time = now
             m.num_cached_tokens = out.num_cached_tokens
             error = None

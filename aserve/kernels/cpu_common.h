@@ -64,4 +64,17 @@ static inline float fast_exp(float x) {
     return p * scale.f;
 }
 
+/* This thread's share [*begin, *end) of `units` output units, cut in whole multiples of `multiple`
+ * (call inside a parallel region; each thread then streams its own contiguous part of the weight). */
+static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin, int64_t *end) {
+#if defined(_OPENMP)
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int64_t nt = 1, t = 0;
+#endif
+    const int64_t per = ((units + nt - 1) / nt + multiple - 1) / multiple * multiple;
+    *begin = t * per < units ? t * per : units;
+    *end = (*begin + per) < units ? (*begin + per) : units;
+}
+
 #endif /* ASERVE_CPU_COMMON_H */

@@ -4,19 +4,6 @@
  */
 #include "cpu_common.h"
 
-/* This thread's share [*begin, *end) of `units` output units, cut in whole multiples of `multiple`
- * (call inside a parallel region; each thread then streams its own contiguous part of the weight). */
-static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin, int64_t *end) {
-#if defined(_OPENMP)
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-    const int64_t nt = 1, t = 0;
-#endif
-    const int64_t per = ((units + nt - 1) / nt + multiple - 1) / multiple * multiple;
-    *begin = t * per < units ? t * per : units;
-    *end = (*begin + per) < units ? (*begin + per) : units;
-}
-
 /* y[at + c] = v[c] (+ bias[c]) for c < n, as fp32 when y_f32, else rounded to bf16. */
 static inline void store_outputs(void *y, int64_t at, const float *v, const bf16 *bias, int64_t n, int64_t y_f32) {
     for (int64_t c = 0; c < n; c++) {

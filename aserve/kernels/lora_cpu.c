@@ -180,18 +180,6 @@ static void expand_range(const float *coef, int64_t rank, const bf16 *b_slot, in
 #undef EXPAND
 }
 
-/* This thread's share [*begin, *end) of `units`, cut in whole multiples of `multiple`. */
-static inline void lora_thread_share(int64_t units, int64_t multiple, int64_t *begin, int64_t *end) {
-#if defined(_OPENMP)
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-#else
-    const int64_t nt = 1, t = 0;
-#endif
-    const int64_t per = ((units + nt - 1) / nt + multiple - 1) / multiple * multiple;
-    *begin = t * per < units ? t * per : units;
-    *end = (*begin + per) < units ? (*begin + per) : units;
-}
-
 /* Adds the LoRA delta into y in place. x [T, K] bf16 (rows x_stride apart); slots [T] int32; a [S, W, K]
  * bf16 contiguous with W = R * n, rank-major (row j * n + i: rank j of shard i); ranks [S] int64 (slot s
  * uses the rows [0, ranks[s] * n); 0: the slot adds nothing, not even its bias); bt [S, ceil(OUT / 16), R, 16]
@@ -247,7 +235,7 @@ int64_t lora_delta_bf16(const bf16 *x, int64_t x_stride, const int32_t *slots, i
             shrink_rows(x, x_stride, a + s * W * K, r0, nb, order + start[s], start[s + 1] - start[s], K, shrunk, W);
         }  /* implicit barrier: every shrunk value is written before any expand reads it */
         int64_t o_begin, o_end;
-        lora_thread_share(OUT, 16, &o_begin, &o_end);
+        thread_share(OUT, 16, &o_begin, &o_end);
         float coef[EXP_TOKENS * (R > 0 ? R : 1)];
         for (int64_t s = 0; s < S; s++) {
             const int64_t count = start[s + 1] - start[s];

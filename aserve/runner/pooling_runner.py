@@ -16,6 +16,7 @@ classifier) `activation`; intake has checked them against the model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from aserve.config import AserveConfig
+from aserve.config.pooler import PoolingType
 from aserve.core.batch import PooledData, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.model.attention.bidirectional import EncoderMetadata
@@ -110,7 +112,7 @@ class PoolingModelRunner(ModelRunner):
                                         for t in (self.params[r].token_type_ids or [0] * len(s.token_ids))],
                                        dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids.to(self.device), None, meta, token_types)
-        return list(req_ids), hidden, meta.query_start_loc.tolist()
+        return list(req_ids), hidden, list(itertools.accumulate(num_tokens, initial=0))  # no device sync
 
     def _decode_prompts(self, req_ids: list[str], num_tokens: list[int]) -> tuple[list[str], torch.Tensor, list[int]]:
         """A causal embedder's step over the paged cache: the requests whose prompt is complete after
@@ -121,7 +123,7 @@ class PoolingModelRunner(ModelRunner):
         done = inputs.sample_req_ids  # every token computed after this step
         if not done:
             return [], hidden, [0]
-        if self.pooling.pooler.pooling_type.value == "LAST":
+        if self.pooling.pooler.pooling_type == PoolingType.LAST:
             idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
             return done, hidden.index_select(0, idx), list(range(len(done) + 1))
         return inputs.req_ids, hidden, list(inputs.meta.query_start_loc_cpu)
