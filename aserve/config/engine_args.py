@@ -35,6 +35,7 @@ from aserve.config.pooling import validate_pooling_args
 from aserve.config.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, REFUSED_METHODS, normalize_method
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
 from aserve.config.schema import AserveConfig, StructuredOutputsConfig
+from aserve.config.speculative import validate_speculative_args
 
 LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -157,6 +158,9 @@ class EngineArgs:
     runner: str = "auto"
     # {"pooling_type": "MEAN", "normalize": true, ...} over the model's pooling (vLLM's --pooler-config too)
     override_pooler_config: dict[str, Any] | None = None
+    # Speculative decoding (aserve/config/speculative.py): {"method": "ngram", "num_speculative_tokens": 4, ...}
+    speculative_config: dict[str, Any] | str | None = None
+    num_lookahead_slots: int = 0  # KV slots reserved past the scheduled tokens (a draft model's k at least)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -186,14 +190,16 @@ class EngineArgs:
         parse_compilation_config(self.compilation_config)
         validate_lora_args(self)
         validate_pooling_args(self)
+        validate_speculative_args(self)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
-                      cuda_available: bool = False) -> AserveConfig:
+                      cuda_available: bool = False, draft_model_path: str | None = None) -> AserveConfig:
         """`validate()`, then resolve against the model. `model_path` is the local HF folder the model
         source resolved `model` to (default: `model` itself); `tokenizer_path` likewise for the
-        tokenizer. Raises ConfigError naming the flag or the config.json key."""
+        tokenizer; `draft_model_path` likewise for speculative_config's draft `model`
+        (`aserve.config.speculative.draft_model_name`). Raises ConfigError naming the flag or the key."""
         self.validate()
-        return resolve_config(self, model_path, tokenizer_path, cuda_available)
+        return resolve_config(self, model_path, tokenizer_path, cuda_available, draft_model_path)
 
     # -- the checks ---------------------------------------------------------------------------------
     def _validate_types(self) -> None:

@@ -18,6 +18,7 @@ from aserve.config.parallel import check_tensor_parallel
 from aserve.config.lora import resolve_lora_config
 from aserve.config.pooling import bare_model_architecture, needs_whole_prompt, resolve_pooling_config, resolve_task
 from aserve.config.quantization import resolve_quantization
+from aserve.config.speculative import resolve_num_lookahead_slots, resolve_speculative_config
 from aserve.config.model_impl import (
     check_transformers_args,
     choose_model_impl,
@@ -59,9 +60,10 @@ VLLM_DEFAULT_SCHEDULERS = (None, "vllm.core.scheduler.Scheduler", "vllm.v1.core.
 
 
 def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str | None,
-                   cuda_available: bool) -> AserveConfig:
+                   cuda_available: bool, draft_model_path: str | None = None) -> AserveConfig:
     """The frozen config for already-validated `args`; `model_path` (default `args.model`) is the
-    local folder holding config.json. Raises ConfigError naming the flag or the config.json key."""
+    local folder holding config.json; `draft_model_path` the speculative draft's (default: its `model`).
+    Raises ConfigError naming the flag or the config.json key."""
     path = model_path or args.model
     config_folder = os.path.expanduser(args.hf_config_path) if args.hf_config_path else None
     hf_cfg = read_hf_config(config_folder or path)
@@ -142,6 +144,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         override_generation_config=dict(args.override_generation_config or {}) or None,
         hf_config_path=config_folder,
     )
+    speculative = resolve_speculative_config(args, arch, model_impl=model_impl, is_pooling=pooling is not None,
+                                             max_model_len=max_model_len, draft_model_path=draft_model_path)
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     if model_impl == "transformers":
         compilation = eager_for_transformers(compilation, device)
@@ -174,6 +178,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
                 int(max_model_len * 0.04) if args.max_num_partial_prefills > 1 else 0),
             scheduler_delay_factor=args.scheduler_delay_factor,
             scheduler_cls=None if args.scheduler_cls in VLLM_DEFAULT_SCHEDULERS else args.scheduler_cls,
+            num_lookahead_slots=resolve_num_lookahead_slots(args, speculative),
         ),
         load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec,
                         ignore_patterns=args.resolved_ignore_patterns()),
@@ -193,6 +198,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         structured_outputs=args.resolved_structured_outputs(),
         lora=resolve_lora_config(args, model_cfg.dtype, model_impl),
         pooling=pooling,
+        speculative=speculative,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from aserve.config.hf_config import ArchConfig
 from aserve.config.pooling import PoolingConfig
 from aserve.config.quantization import QuantSpec
+from aserve.config.speculative import SpeculativeConfig
 
 GiB = 1 << 30
 
@@ -74,6 +75,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     scheduler_delay_factor: float = 0.0
     scheduler_cls: str | None = None  # a Scheduler subclass by dotted path (None: aserve's own)
+    # KV slots reserved past each request's scheduled tokens: max(--num-lookahead-slots, a draft model's k)
+    num_lookahead_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class AserveConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig = LoRAConfig()
     pooling: PoolingConfig | None = None  # None: a generating model (aserve/config/pooling.py)
+    speculative: SpeculativeConfig | None = None  # None: speculation off (aserve/config/speculative.py)
 
     @property
     def is_pooling(self) -> bool:

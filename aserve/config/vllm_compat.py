@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from aserve.config.errors import ConfigError, flag_name
+from aserve.config.speculative import merge_speculative_flags
 
 logger = logging.getLogger("aserve.config")
 
 _TEXT_ONLY = "aserve serves text-only models (multimodal inputs are not implemented)"
 _PROMPT_ADAPTER = "prompt adapters were removed from vLLM (0.8) and are not implemented by aserve"
-_SPEC = "speculative decoding is not implemented yet (issue 22, speculative decoding)"
 _QUANT = "not implemented yet (issue 20, quantization)"
 _RAY = "Ray is not implemented (aserve's executors are 'uni' and 'mp')"
 
@@ -29,7 +29,8 @@ _RAY = "Ray is not implemented (aserve's executors are 'uni' and 'mp')"
 @dataclass(frozen=True)
 class CompatArg:
     """kind: 'alias' (value goes to `target`), 'noop' (deprecated, does nothing), 'refused' (any value
-    but `default` / `accepted` is a ConfigError with `reason`). type: bool | bool_opt | int | float |
+    but `default` / `accepted` is a ConfigError with `reason`), 'spec' (a deprecated speculative decoding
+    flag: its value becomes key `target` of speculative_config). type: bool | bool_opt | int | float |
     str | json | list (argparse mapping). server: a server flag, not an engine keyword."""
 
     kind: str
@@ -98,7 +99,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     # -- issue 25's "Implement" list, not implemented yet -------------------------------------------
     "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
     "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
-    "num_lookahead_slots": _todo("int", 0, "KV slots reserved past the known tokens, for speculative decoding"),
     "tokenizer_pool_size": _todo("int", 0, "tokenizing in a pool of workers"),
     "tokenizer_pool_type": _todo("str", "ray", "the tokenizer pool's kind"),
     "tokenizer_pool_extra_config": _todo("json", None, "the tokenizer pool's extra config"),
@@ -107,16 +107,22 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "logits_processor_pattern": _todo("str", None, "naming logits processors by qualified name in requests"),
     "middleware": _todo("list", None, "ASGI middleware by dotted path", server=True),
     # -- owned by other issues ----------------------------------------------------------------------
-    **{name: _refused(tp, default, _SPEC) for name, tp, default in (
-        ("speculative_model", "str", None), ("speculative_model_quantization", "str", None),
-        ("num_speculative_tokens", "int", None), ("speculative_draft_tensor_parallel_size", "int", None),
-        ("speculative_max_model_len", "int", None), ("speculative_disable_by_batch_size", "int", None),
-        ("ngram_prompt_lookup_max", "int", None), ("ngram_prompt_lookup_min", "int", None),
-        ("spec_decoding_acceptance_method", "str", "rejection_sampler"),
-        ("typical_acceptance_sampler_posterior_threshold", "float", None),
-        ("typical_acceptance_sampler_posterior_alpha", "float", None),
-        ("disable_logprobs_during_spec_decoding", "bool_opt", None),
-        ("speculative_disable_mqa_scorer", "bool", False), ("speculative_config", "json", None))},
+    # -- speculative decoding's older flags: each sets one key of --speculative-config ----------------
+    **{name: CompatArg("spec", tp, default, f"deprecated: use --speculative-config's {key!r} key", target=key)
+       for name, tp, default, key in (
+        ("speculative_model", "str", None, "model"),
+        ("speculative_model_quantization", "str", None, "quantization"),
+        ("num_speculative_tokens", "int", None, "num_speculative_tokens"),
+        ("speculative_draft_tensor_parallel_size", "int", None, "draft_tensor_parallel_size"),
+        ("speculative_max_model_len", "int", None, "max_model_len"),
+        ("speculative_disable_by_batch_size", "int", None, "disable_by_batch_size"),
+        ("ngram_prompt_lookup_max", "int", None, "prompt_lookup_max"),
+        ("ngram_prompt_lookup_min", "int", None, "prompt_lookup_min"),
+        ("spec_decoding_acceptance_method", "str", "rejection_sampler", "acceptance_method"),
+        ("typical_acceptance_sampler_posterior_threshold", "float", None, "posterior_threshold"),
+        ("typical_acceptance_sampler_posterior_alpha", "float", None, "posterior_alpha"),
+        ("disable_logprobs_during_spec_decoding", "bool_opt", None, "disable_logprobs"),
+        ("speculative_disable_mqa_scorer", "bool", False, "disable_mqa_scorer"))},
     "quantization_param_path": _refused("str", None, f"fp8 KV-cache scaling factors from a file: {_QUANT}"),
     "calculate_kv_scales": _refused("bool", False, f"computing fp8 KV-cache scales at run time: {_QUANT}"),
     "pooler_config": CompatArg("alias", "json", None, "", target="override_pooler_config"),
@@ -143,7 +149,7 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM flags that aserve aliases or refuses (see the README)")
     for name, arg in COMPAT_ARGS.items():
         flag = flag_name(name)
-        if arg.kind == "alias" and arg.reason:
+        if arg.kind in ("alias", "spec") and arg.reason:
             help_text = arg.reason
         elif arg.kind == "alias":
             help_text = f"vLLM's newer spelling: sets {flag_name(arg.target or '')} to {arg.target_value!r}"
@@ -171,6 +177,7 @@ def apply_compat(values: dict[str, Any], server: bool = False) -> dict[str, Any]
     refused one with a value other than its default raises ConfigError naming the flag and the reason.
     Server-only names are left alone unless `server` (so `LLM(middleware=...)` stays unknown)."""
     out = dict(values)
+    spec_flags: dict[str, tuple[str, Any]] = {}  # speculative_config key -> (old flag, value)
     for name, arg in COMPAT_ARGS.items():
         if name not in out or (arg.server and not server):
             continue
@@ -180,6 +187,10 @@ def apply_compat(values: dict[str, Any], server: bool = False) -> dict[str, Any]
         flag = flag_name(name)
         if arg.kind == "noop":
             logger.warning("%s is deprecated and does nothing: %s", flag, arg.reason)
+        elif arg.kind == "spec":
+            logger.warning("%s is deprecated: use --speculative-config '{\"%s\": %s}'", flag, arg.target,
+                           json.dumps(value))
+            spec_flags[arg.target or ""] = (flag, value)
         elif arg.kind == "alias":
             target = arg.target or ""
             new = value if arg.target_value is None else arg.target_value
@@ -190,6 +201,8 @@ def apply_compat(values: dict[str, Any], server: bool = False) -> dict[str, Any]
             out[target] = new
         elif value not in arg.accepted:
             raise ConfigError(f"{flag}: {arg.reason} (got {value!r}; only the default {arg.default!r} is accepted)")
+    if spec_flags:
+        out["speculative_config"] = merge_speculative_flags(out.get("speculative_config"), spec_flags)
     return out
 
 

@@ -13,8 +13,13 @@ Protocol, per step:
   * `cached_requests`: requests the runner already holds; only what changed: blocks appended
     to the block table and the current `num_computed_tokens`.
   * `scheduled_req_ids[i]` gets `num_scheduled_tokens[i]` tokens this step, starting at its
-    `num_computed_tokens`. A request samples a token when, after this step, every one of its
-    tokens is computed (computed + scheduled == len(prompt) + len(outputs)).
+    `num_computed_tokens`. A request samples when, after this step, every one of its tokens is
+    computed (computed + scheduled == len(prompt) + len(outputs) + its scheduled drafts).
+  * Speculative decoding: `scheduled_spec_token_ids[req_id]` are draft tokens appended after the
+    request's last token this step (they count in `num_scheduled_tokens`); the runner verifies them
+    and returns the accepted drafts plus one token of its own (`RunnerOutput.sampled_token_ids`).
+    With `propose_drafts` the runner proposes drafts for the next step for every request that
+    sampled (`RunnerOutput.draft_token_ids`); the scheduler decides how many it schedules.
   * `finished_req_ids`: finished, aborted or preempted since the last step: the runner drops them
     before doing anything else.
   * `blocks_to_swap_out` / `blocks_to_swap_in`: (src, dst) block ids the runner applies before the
@@ -59,6 +64,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     finished_req_ids: list[str]
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_swap_in: list[tuple[int, int]] = []
+    scheduled_spec_token_ids: dict[str, list[int]] = {}  # req_id -> drafts to verify this step
+    propose_drafts: bool = False  # the runner proposes drafts for the requests that sample
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -86,11 +93,15 @@ class PooledData(msgspec.Struct, array_like=True):
 
 
 class RunnerOutput(msgspec.Struct, array_like=True):
-    """One step's results, in `req_ids` order (only requests that sampled this step)."""
+    """One step's results, in `req_ids` order (only requests that sampled this step).
+
+    `sampled_token_ids[i]`: the tokens request i produced this step: one, or with speculation its
+    accepted drafts then one more (at most drafts + 1). `logprobs[i]`: one entry per such token when
+    the request asked for logprobs, else []."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]]
     # req_id -> one entry per prompt position computed this step (position 0 has no logprob, omitted).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     # req_id -> why the runner failed that request alone (its logits processor raised, its sampling
@@ -101,6 +112,8 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     # req_id -> its pooled result: a pooling request whose prompt was fully computed this step (it
     # never samples; the scheduler finishes it with finish_reason "stop").
     pooled_outputs: dict[str, PooledData] = {}
+    # req_id -> draft tokens proposed for its next step (only with SchedulerOutput.propose_drafts).
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class RunnerInfo(msgspec.Struct):

@@ -76,6 +76,7 @@ class Request:
         "request_id",
         "sampling_params",
         "share_prefix",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "wait_for_req_id",
@@ -120,6 +121,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
+        self.spec_token_ids: list[int] = []  # drafts the runner proposed for the next step (speculative decoding)
         self.events: list[EngineCoreEvent] = []  # not yet reported in an EngineCoreOutput
         self._all_token_ids = list(prompt_token_ids)
 
@@ -181,6 +183,16 @@ class Request:
         if num_outputs >= self.max_tokens or self.num_prompt_tokens + num_outputs >= max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def append_step_tokens(self, tokens: list[int], max_model_len: int) -> tuple[int, RequestStatus | None]:
+        """Appends a step's tokens up to the first that finishes the request (the rest are dropped);
+        returns how many were kept and the finished status (None: still running)."""
+        for n, token in enumerate(tokens, 1):
+            self.append_output_token_ids(token)
+            status = self.stop_status(token, max_model_len)
+            if status is not None:
+                return n, status
+        return len(tokens), None
 
     def new_request_data(self, block_ids: list[int]) -> NewRequestData:
         """What the runner needs to start (or resume) this request, holding `block_ids`."""

@@ -10,10 +10,10 @@ configured) and the allocation retried: under fcfs the latest admitted request o
 the most running requests (a flooding client loses memory first; with one client, the last running
 request); under priority the lowest-ranked one (`core/preemption.py`). At most `max_loras` LoRA
 adapters run at once (`core/lora_slots.py`); prefills share a step as `core/prefill_limits.py` says.
+With speculative decoding a decoding request also gets the drafts `core/spec_decoding.py` keeps.
 
-`schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run);
-`update()` appends the sampled tokens and applies the stop rules. The protocol with the runner is
-described in `aserve.core.batch`.
+`schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run); `update()`
+appends the sampled tokens and applies the stop rules. The runner protocol: `aserve.core.batch`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
+from aserve.config.speculative import SpeculativeConfig
 from aserve.core.batch import (
     CachedRequestData,
     EngineCoreEventType,
@@ -31,12 +32,14 @@ from aserve.core.batch import (
 )
 from aserve.core.fair_queue import FairQueue
 from aserve.core.kv_cache_manager import KVCacheManager
-from aserve.core.lora_slots import LoRASlots, adapter_names
+from aserve.core.lora_slots import LoRASlots
 from aserve.core.preemption import victim_index
 from aserve.core.prefill_limits import PrefillLimits
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import FCFSQueue, PriorityQueue
+from aserve.core.spec_decoding import DraftPolicy
 from aserve.core.stats import SchedulerStats
+from aserve.core.stats_reporter import StatsReporter
 
 _WAITING_LIKE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _RUNNING = RequestStatus.RUNNING
@@ -46,8 +49,10 @@ class Scheduler:
     """Owns the request queues and the KV cache manager. Not thread-safe: one caller at a time."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_info: KVCacheInfo,
-                 max_loras: int | None = None, prefill_limits: PrefillLimits | None = None) -> None:
-        """`max_loras` None: LoRA is off. `prefill_limits`: default from the config (tests pass a clock)."""
+                 max_loras: int | None = None, prefill_limits: PrefillLimits | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        """`max_loras` None: LoRA is off. `prefill_limits`: default from the config (tests pass a clock).
+        `speculative` None: speculative decoding is off."""
         mode = scheduler_config.preemption_mode or "recompute"  # validated with the engine arguments
         self.config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -69,8 +74,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.lora_slots = LoRASlots(max_loras)
         self.prefill_limits = prefill_limits or PrefillLimits(scheduler_config)
+        self.drafts = DraftPolicy(speculative, self.max_model_len)
+        self.num_lookahead_slots = scheduler_config.num_lookahead_slots  # KV slots past the step's tokens
         self.num_preemptions = 0  # cumulative
-        self._reported = (0, 0, 0)  # prefix-cache queries, hits, preemptions at the last make_stats()
+        self._stats = StatsReporter()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
         self._runner_req_ids: set[str] = set()  # requests whose state the runner holds
 
@@ -137,23 +144,31 @@ class Scheduler:
         preempted = False
         limits = self.prefill_limits
         limits.start_step()
+        lookahead = self.num_lookahead_slots
+        spec_tokens: dict[str, list[int]] = {}
+        speculate = self.drafts.step_enabled(len(running))
 
         # 1. Running requests, in order.
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             remaining = min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
-            num_new = limits.allowed(req, min(remaining, budget), remaining) if remaining > 0 else 0
+            drafts = self.drafts.drafts_for(req) if speculate and remaining == 1 else ()
+            wanted = remaining + len(drafts)
+            num_new = limits.allowed(req, min(wanted, budget), wanted) if remaining > 0 else 0
             if num_new <= 0 or (num_new < remaining and not chunked):
                 i += 1
                 continue
+            if num_new > remaining:
+                spec_tokens[req.request_id] = drafts[:num_new - remaining]
             while True:
-                blocks = kv.allocate_slots(req, num_new)
+                blocks = kv.allocate_slots(req, num_new + lookahead)
                 if blocks is not None:
                     break
                 victim_idx = self._victim_index()
                 victim = running[victim_idx]
                 budget += self._preempt(victim_idx, num_scheduled, new_block_ids, swap_out)
+                spec_tokens.pop(victim.request_id, None)
                 preempted = True
                 if victim is req:
                     break
@@ -178,7 +193,7 @@ class Scheduler:
                 num_new = min(remaining, budget)
                 if num_new < remaining and not chunked:
                     break
-                if not kv.can_swap_in(req, num_new):
+                if not kv.can_swap_in(req, num_new + lookahead):
                     break
                 self.swapped.pop()
                 self.lora_slots.admit(req)
@@ -186,7 +201,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 running.append(req)
                 if num_new > 0:
-                    blocks = kv.allocate_slots(req, num_new)
+                    blocks = kv.allocate_slots(req, num_new + lookahead)
                     assert blocks is not None  # can_swap_in counted these
                     num_scheduled[req.request_id] = num_new
                     new_block_ids[req.request_id] = blocks
@@ -222,7 +237,9 @@ class Scheduler:
                                 for r in running if r.request_id in num_scheduled))
         return SchedulerOutput(new_requests=new_reqs, cached_requests=cached_reqs, scheduled_req_ids=scheduled_ids,
                                num_scheduled_tokens=scheduled_nums, finished_req_ids=finished,
-                               blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in)
+                               blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
+                               scheduled_spec_token_ids=spec_tokens,
+                               propose_drafts=self.drafts.step_enabled(len(running)))
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_block_ids: dict[str, list[int]]) -> None:
@@ -251,7 +268,7 @@ class Scheduler:
             if num_new == 0:  # over the partial-prefill limits: a later (shorter) request may fit
                 skipped.append(waiting.pop())
                 continue
-            blocks = kv.allocate_slots(req, num_new, computed_blocks)
+            blocks = kv.allocate_slots(req, num_new + self.num_lookahead_slots, computed_blocks)
             if blocks is None:
                 break
             waiting.pop()
@@ -284,6 +301,7 @@ class Scheduler:
                  swap_out: list[tuple[int, int]]) -> int:
         """Preempts running[idx] (undoing its scheduling this step); returns the budget it gave back."""
         req = self.running.pop(idx)
+        req.spec_token_ids = []
         kv = self.kv_cache_manager
         req_id = req.request_id
         given_back = num_scheduled.pop(req_id, 0)
@@ -306,9 +324,8 @@ class Scheduler:
 
     # -- update ----------------------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[EngineCoreOutput]:
-        """Applies one step's results: one EngineCoreOutput per request that sampled a token, got
-        prompt logprobs, was pooled (and finished), finished, or failed alone in the runner (`runner_output.failed_requests`:
-        finished with FINISHED_ERROR, finish_reason "error", blocks freed now)."""
+        """Applies one step's results: one EngineCoreOutput per request that sampled, got prompt logprobs,
+        was pooled (and finished), finished, or failed alone in the runner (finish_reason "error")."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
         if runner_output.failed_requests:
@@ -321,19 +338,26 @@ class Scheduler:
                 self.finish_requests([req_id], RequestStatus.FINISHED_STOPPED)
         prompt_logprobs = runner_output.prompt_logprobs
         logprobs = runner_output.logprobs
+        spec_scheduled = scheduler_output.scheduled_spec_token_ids
+        drafts = runner_output.draft_token_ids
         any_finished = False
         for i, req_id in enumerate(runner_output.req_ids):
             req = requests.get(req_id)
             if req is None or req.status is not _RUNNING:
                 continue  # aborted while the step ran
-            token = runner_output.sampled_token_ids[i]
-            req.append_output_token_ids(token)
-            status = req.stop_status(token, self.max_model_len)
-            lp = logprobs[i] if logprobs else None
+            tokens = runner_output.sampled_token_ids[i]
+            if spec_scheduled:
+                verified = spec_scheduled.get(req_id)
+                if verified:  # the rejected drafts' KV slots count as not computed
+                    req.num_computed_tokens -= len(verified) + 1 - len(tokens)
+                    self.drafts.stats.observe(len(verified), len(tokens) - 1)
+            num_kept, status = req.append_step_tokens(tokens, self.max_model_len)
+            req.spec_token_ids = drafts.get(req_id, []) if status is None and drafts else []
+            lps = logprobs[i] if logprobs else None
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
-                new_token_ids=[token],
-                new_logprobs=[lp] if lp is not None else [],
+                new_token_ids=tokens if num_kept == len(tokens) else tokens[:num_kept],
+                new_logprobs=lps[:num_kept] if lps else [],
                 new_prompt_logprobs=prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 finish_reason=RequestStatus.finish_reason(status) if status is not None else None,
                 stop_reason=req.stop_reason,
@@ -368,30 +392,9 @@ class Scheduler:
     def make_stats(self, consume: bool = True) -> SchedulerStats:
         """Gauges now; counters since the previous consuming call (`consume=False` peeks: a live view
         for health checks and tests that leaves the counters to the per-step stats)."""
-        kv = self.kv_cache_manager
-        bs = self.block_size
-        num_tokens = 0
-        for req in self.running:
-            num_tokens += min(req.num_computed_tokens, len(kv.get_block_ids(req.request_id)) * bs)
-        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        stats = SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            num_swapped_reqs=len(self.swapped),
-            kv_cache_usage=kv.usage,
-            num_used_blocks=kv.num_used_blocks,
-            num_total_blocks=kv.num_total_blocks,
-            num_tokens_in_used_blocks=num_tokens,
-            running_lora_adapters=adapter_names(self.running),
-            waiting_lora_adapters=adapter_names(self.waiting),
-            prefix_cache_queries=queries - self._reported[0],
-            prefix_cache_hits=hits - self._reported[1],
-            num_preemptions=self.num_preemptions - self._reported[2],
-        )
-        if consume:
-            self._reported = (queries, hits, self.num_preemptions)
-        return stats
+        return self._stats.make(self, consume)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (nothing done) while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+

@@ -26,3 +26,26 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0  # running requests preempted
+    spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding since the previous `make_stats()` (vLLM's spec_decode_* counters):
+    requests that verified drafts, drafts verified, drafts accepted, and accepted per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request verified `num_draft_tokens` drafts and accepted the first `num_accepted`."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1

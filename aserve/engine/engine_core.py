@@ -57,7 +57,8 @@ class EngineCore:
         kv = KVCacheInfo(num_blocks=info.num_blocks, num_cpu_blocks=info.num_cpu_blocks, block_size=info.block_size)
         lora = config.lora
         scheduler_cls = load_scheduler_class(config.scheduler.scheduler_cls)
-        self.scheduler = scheduler_cls(config.scheduler, config.cache, kv, lora.max_loras if lora.enable_lora else None)
+        self.scheduler = scheduler_cls(config.scheduler, config.cache, kv, lora.max_loras if lora.enable_lora else None,
+                                       speculative=config.speculative)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

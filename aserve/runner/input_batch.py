@@ -40,7 +40,7 @@ class ModelInputs:
     req_ids: list[str]  # batch order (decodes first)
     num_scheduled: list[int]  # per sequence, batch order
     sample_req_ids: list[str]  # requests that sample, in batch order
-    logits_indices: list[int]  # flat index of each sampling request's last token
+    logits_indices: list[int]  # flat index of each sampling request's last token (and of its drafts, before it)
     # prompt logprobs: req_id -> (flat start index, count, first target position)
     prompt_logprob_spans: dict[str, tuple[int, int, int]]
 
@@ -52,9 +52,12 @@ def build_model_inputs(
     block_size: int,
     device: torch.device,
     pad_to_num_seqs: int | None = None,
+    spec_token_ids: dict[str, list[int]] | None = None,
 ) -> ModelInputs:
     """Pack one step. `pad_to_num_seqs` pads a decode-only batch to a fixed size (graphs / static shapes):
-    padded sequences write nowhere (slot -1), read the reserved null block 0 and are never sampled."""
+    padded sequences write nowhere (slot -1), read the reserved null block 0 and are never sampled.
+    `spec_token_ids`: drafts that follow a request's tokens this step (speculative decoding); the
+    request's logits rows are then its last token's and each draft's."""
     order = sorted(range(len(scheduled_req_ids)), key=lambda i: num_scheduled_tokens[i] != 1)
     req_ids = [scheduled_req_ids[i] for i in order]
     counts = np.fromiter((num_scheduled_tokens[i] for i in order), dtype=np.int64, count=len(order))
@@ -71,7 +74,9 @@ def build_model_inputs(
                                 count=num_seqs)
         positions = starts.copy()
     else:
-        input_ids = np.concatenate([np.asarray(s.token_ids[int(a):int(b)], dtype=np.int64)
+        spec = spec_token_ids or {}
+        input_ids = np.concatenate([np.asarray(s.token_ids[int(a):int(b)] + spec[s.req_id]
+                                               if s.req_id in spec else s.token_ids[int(a):int(b)], dtype=np.int64)
                                     for s, a, b in zip(seq_states, starts, seq_lens)])
         cu = np.concatenate(([0], np.cumsum(counts)))
         positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - starts, counts)
@@ -123,7 +128,8 @@ def build_model_inputs(
         end = int(seq_lens[i])
         if end >= s.num_tokens:  # every token computed after this step -> sample
             sample_req_ids.append(s.req_id)
-            logits_indices.append(int(ends[i]) - 1)
+            num_rows = end - s.num_tokens + 1  # 1 + drafts
+            logits_indices.extend(range(int(ends[i]) - num_rows, int(ends[i])))
         if s.params.prompt_logprobs is not None:
             start = int(starts[i])
             num_prompt = s.num_prompt_tokens

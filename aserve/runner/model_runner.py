@@ -34,7 +34,10 @@ from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
+from aserve.runner.kv_memory import ModelInputsForProfile, zeroed
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
+from aserve.runner.spec_decode import make_proposer, make_typical_acceptance
+from aserve.runner.step_sampling import StepSamples, StepSampler
 from aserve.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,8 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(self.arch.vocab_size, self.device, seed=config.model.seed)
         self.structured = StructuredOutputs(config, max_num_rows=config.scheduler.max_num_seqs)
+        self.step_sampler = StepSampler(self.sampler, self.structured, make_typical_acceptance(config.speculative))
+        self.proposer = None  # speculative decoding's draft proposer (load_model)
         self.graph_runner: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
         self.force_static_decode = force_static_decode
@@ -89,6 +94,7 @@ class ModelRunner:
             from aserve.runner.lora_step import RunnerLoRA
 
             self.lora = RunnerLoRA(self.model, self.config.lora, self.device)
+        self.proposer = make_proposer(self.config, self.backend, self.device)
         logger.info("Loaded %s (%s, %s) in %.1fs", self.arch.architecture, self.config.model.dtype,
                     self.device, time.perf_counter() - start)
 
@@ -263,13 +269,13 @@ class ModelRunner:
                 d_cache.index_copy_(1, dst.to(d_cache.device), s_cache.index_select(1, src.to(s_cache.device))
                                     .to(d_cache.device))
 
-    def _prepare(self, req_ids: list[str], num_tokens: list[int]) -> ModelInputs:
+    def _prepare(self, req_ids: list[str], num_tokens: list[int], spec: dict[str, list[int]]) -> ModelInputs:
         static = self.graph_runner is not None or self.force_static_decode
         pad_to = None
         if static and all(n == 1 for n in num_tokens):
             pad_to = padded_size(self.static_sizes, len(req_ids))
         return build_model_inputs(self.states, req_ids, num_tokens, self.block_size, self.device,
-                                  pad_to_num_seqs=pad_to)
+                                  pad_to_num_seqs=pad_to, spec_token_ids=spec)
 
     def _forward(self, inputs: ModelInputs, context: ForwardContext | None = None) -> torch.Tensor:
         """`context`: the step's forward context (LoRA slots). CUDA graphs read the LoRA slots from the
@@ -314,7 +320,8 @@ class ModelRunner:
         if not scheduled:
             return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 
-        inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled])
+        spec = so.scheduled_spec_token_ids
+        inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled], spec)
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
         hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
 
@@ -325,76 +332,20 @@ class ModelRunner:
             targets = torch.tensor(state.token_ids[first_target:first_target + count], device=self.device)
             prompt_logprobs[req_id] = compute_prompt_logprobs(logits, targets, state.params.prompt_logprobs)
 
-        sample_req_ids = inputs.sample_req_ids
-        result_ids, result_logprobs = [], []
-        if sample_req_ids:
+        samples = StepSamples()
+        if inputs.sample_req_ids:
             idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
-            result = self.sampler.sample(logits, [self.states[r].sampling for r in sample_req_ids],
-                                         self.structured.finish_fill(fill))
-            result_ids, result_logprobs = result.sampled_token_ids, result.logprobs
-            if result.failed:
-                self._fail({sample_req_ids[i]: m for i, m in result.failed.items()}, failed, prompt_logprobs)
-                sample_req_ids = [r for i, r in enumerate(sample_req_ids) if i not in result.failed]
-            rejected = self.structured.accept(sample_req_ids, result_ids)
-            if rejected:
-                keep = [i for i, r in enumerate(sample_req_ids) if r not in rejected]
-                self._fail(rejected, failed, prompt_logprobs)
-                sample_req_ids = [sample_req_ids[i] for i in keep]
-                result_ids = [result_ids[i] for i in keep]
-                result_logprobs = [result_logprobs[i] for i in keep]
+            samples = self.step_sampler.sample(logits, inputs.sample_req_ids, self.states, spec, fill)
+            self._fail(samples.failed, failed, prompt_logprobs)
 
         for req_id, num in zip(inputs.req_ids, inputs.num_scheduled):
             state = self.states.get(req_id)
             if state is not None:
-                state.num_computed_tokens += num
-        for req_id, token in zip(sample_req_ids, result_ids):
-            self.states[req_id].token_ids.append(token)
-        return RunnerOutput(req_ids=sample_req_ids, sampled_token_ids=result_ids, logprobs=result_logprobs,
-                            prompt_logprobs=prompt_logprobs, failed_requests=failed)
+                state.num_computed_tokens += num - samples.num_rejected.get(req_id, 0)
+        drafts = {}
+        if so.propose_drafts and self.proposer is not None and samples.req_ids:
+            drafts = self.proposer.propose(samples.req_ids, self.states, inputs)
+        return RunnerOutput(req_ids=samples.req_ids, sampled_token_ids=samples.token_ids, logprobs=samples.logprobs,
+                            prompt_logprobs=prompt_logprobs, failed_requests=failed, draft_token_ids=drafts)
 
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On CPU its memory comes from calloc (through numpy), so the OS maps
-    zero pages on first touch: GiBs of KV cache cost nothing at start-up (torch.zeros writes every
-    page, seconds for the default 4 GiB)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-
-
-class ModelInputsForProfile:
-    """The memory-profiling step: fresh prefills totalling `num_tokens`, each at most `max_seq_len` long."""
-
-    @staticmethod
-    def make(num_tokens: int, max_seq_len: int, block_size: int, device: torch.device) -> tuple[ModelInputs, int]:
-        """Returns the inputs and the number of blocks their scratch KV cache needs (block 0 stays unused)."""
-        from aserve.model.attention.base import AttentionMetadata
-
-        lens = [max_seq_len] * (num_tokens // max_seq_len)
-        if num_tokens % max_seq_len:
-            lens.append(num_tokens % max_seq_len)
-        blocks = [math.ceil(n / block_size) for n in lens]
-        table = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
-        slots, positions, starts = [], [], [0]
-        next_block = 1
-        for i, (n, b) in enumerate(zip(lens, blocks)):
-            table[i, :b] = torch.arange(next_block, next_block + b, dtype=torch.int32)
-            slots.append(torch.arange(next_block * block_size, next_block * block_size + n, dtype=torch.int64))
-            positions.append(torch.arange(n, dtype=torch.int64))
-            starts.append(starts[-1] + n)
-            next_block += b
-        meta = AttentionMetadata(
-            num_tokens=num_tokens, num_seqs=len(lens), num_decodes=0, num_decode_tokens=0,
-            slot_mapping=torch.cat(slots).to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            block_tables=table.to(device),
-            max_query_len=max(lens), max_seq_len=max(lens), query_start_loc_cpu=starts, seq_lens_cpu=list(lens))
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        inputs = ModelInputs(ids, torch.cat(positions).to(device), meta, [], [], [], [], {})
-        return inputs, next_block

@@ -118,6 +118,12 @@ _ENGINE_HELP = {
     "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",
     "override_pooler_config": 'JSON object over the model\'s pooling: pooling_type (LAST, MEAN, CLS, ALL), '
                               "normalize, softmax, dimensions (alias --pooler-config)",
+    "speculative_config": 'speculative decoding, a JSON object with vLLM\'s keys: method (ngram or draft_model), '
+                          "num_speculative_tokens, prompt_lookup_max/min (ngram), model (a draft sharing the "
+                          "vocabulary), max_model_len, disable_by_batch_size, acceptance_method, disable_logprobs; "
+                          'e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    "num_lookahead_slots": "KV slots reserved past each request's scheduled tokens (at least a draft model's "
+                           "num_speculative_tokens)",
 }
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 _ENGINE_DEFAULTS = {
@@ -151,6 +157,7 @@ _ENGINE_DEFAULTS = {
     "scheduler_cls": "None: aserve.core.scheduler.Scheduler (vLLM's default names mean the same)",
     "task": "'auto': generate for causal LMs, embed (classify for a classifier head) for encoders",
     "override_pooler_config": "None: the model's (sentence-transformers files, else the architecture's)",
+    "speculative_config": "None: no speculative decoding",
 }
 _SHORT_ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
                   "compilation_config": "-O", "quantization": "-q"}
@@ -270,7 +277,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["action"] = "store_true"
-        elif typing.get_origin(tp) is dict:
+        elif typing.get_origin(tp) is dict or f.name == "speculative_config":  # (dict | str: JSON text)
             kwargs["type"] = _json_object(flag)
         elif typing.get_origin(tp) is list:  # list[float]: one or more numbers
             kwargs["nargs"], kwargs["type"] = "+", typing.get_args(tp)[0]

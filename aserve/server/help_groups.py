@@ -24,7 +24,7 @@ GROUPS: tuple[tuple[str, str, str], ...] = (
     ("compilation", "CompilationConfig", "CUDA graphs and torch.compile"),
     ("decoding", "DecodingConfig", "structured outputs (guided decoding)"),
     ("lora", "LoRAConfig", "LoRA adapters (prompt adapters: refused)"),
-    ("speculative", "SpeculativeConfig", "speculative decoding (not implemented: refused)"),
+    ("speculative", "SpeculativeConfig", "speculative decoding: n-gram prompt lookup or a draft model"),
     ("observability", "ObservabilityConfig", "logging, stats and tracing"),
     ("server", "Frontend", "the HTTP server: address, TLS, CORS, API keys, chat templates, limits"),
     ("tools", "Frontend", "tool calling and reasoning parsers"),

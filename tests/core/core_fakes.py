@@ -126,8 +126,8 @@ class FakeRunner:
                 token = script.pop(0) if script else self.token_fn(st.tokens)
                 st.tokens.append(token)
                 req_ids.append(req_id)
-                sampled.append(token)
-                logprobs.append(TokenLogprobs([token], [-0.5], [1]) if st.params.logprobs is not None else None)
+                sampled.append([token])
+                logprobs.append([TokenLogprobs([token], [-0.5], [1])] if st.params.logprobs is not None else [])
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs)
 

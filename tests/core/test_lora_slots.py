@@ -44,7 +44,7 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_finishes_everyone():
         assert len(running - {0}) <= 2
         sampled = [r for r in so.scheduled_req_ids
                    if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens]
-        outs = sched.update(so, RunnerOutput(req_ids=sampled, sampled_token_ids=[5] * len(sampled),
-                                             logprobs=[None] * len(sampled)))
+        outs = sched.update(so, RunnerOutput(req_ids=sampled, sampled_token_ids=[[5]] * len(sampled),
+                                             logprobs=[[]] * len(sampled)))
         finished |= {o.req_id for o in outs if o.finish_reason is not None}
     assert finished == {f"r{i}" for i in range(len(order))}

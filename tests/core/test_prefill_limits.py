@@ -33,7 +33,7 @@ def _run_until_first_tokens(sched: Scheduler, ids: list[str], max_steps: int = 5
         so = sched.schedule()
         sampled = [r for r, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens)
                    if sched.get_request(r).num_computed_tokens >= sched.get_request(r).num_tokens]
-        sched.update(so, RunnerOutput(req_ids=sampled, sampled_token_ids=[7] * len(sampled), logprobs=[]))
+        sched.update(so, RunnerOutput(req_ids=sampled, sampled_token_ids=[[7]] * len(sampled), logprobs=[]))
         for r in sampled:
             first.setdefault(r, step)
         if all(r in first for r in ids):
@@ -74,11 +74,11 @@ def test_delay_factor_holds_new_prompts_while_requests_run():
     sched.add_request(_req("a", 100, arrival=100.0))
     so = sched.schedule()  # nothing runs: admitted at once
     now[0] += 0.5  # the prompt step took 0.5 s
-    sched.update(so, RunnerOutput(req_ids=["a"], sampled_token_ids=[7], logprobs=[]))
+    sched.update(so, RunnerOutput(req_ids=["a"], sampled_token_ids=[[7]], logprobs=[]))
     sched.add_request(_req("b", 10, arrival=now[0]))
     so = sched.schedule()  # "a" decodes; "b" waited 0 s < 2 x 0.5 s
     assert so.scheduled_req_ids == ["a"]
-    sched.update(so, RunnerOutput(req_ids=["a"], sampled_token_ids=[7], logprobs=[]))
+    sched.update(so, RunnerOutput(req_ids=["a"], sampled_token_ids=[[7]], logprobs=[]))
     now[0] += 1.1
     assert "b" in sched.schedule().scheduled_req_ids  # waited 1.1 s > 1.0 s
 

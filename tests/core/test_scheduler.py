@@ -316,7 +316,7 @@ def test_a_request_failed_by_the_runner_fails_alone_and_its_blocks_are_forgotten
     s.add_request(make_request("a", 9))
     s.add_request(make_request("c", [40, 41, 42, 43, 44]))
     so = s.schedule()
-    outs = s.update(so, RunnerOutput(["c"], [7], [None], failed_requests={"a": "logits processor raised"}))
+    outs = s.update(so, RunnerOutput(["c"], [[7]], [[]], failed_requests={"a": "logits processor raised"}))
     assert [(o.req_id, o.finish_reason, o.error) for o in outs] == [
         ("a", "error", "logits processor raised"), ("c", None, None)]
     assert s.get_request("a") is None and s.get_request("c").output_token_ids == [7]

@@ -59,7 +59,7 @@ def test_thread_executor_starts_the_runner_and_runs_steps(fake_config):
     assert info.num_blocks == model.num_blocks and runners[0].loaded
     out = executor.execute(first_step())
     assert out.req_ids == ["r"]
-    assert out.sampled_token_ids == model.expected_token_ids(PROMPT, GREEDY, length=1)
+    assert out.sampled_token_ids == [model.expected_token_ids(PROMPT, GREEDY, length=1)]
     executor.shutdown()
     assert executor.runner is None
 
@@ -114,7 +114,7 @@ def test_process_executor_step_matches_hf_then_a_runner_error_is_fatal(tiny_conf
         assert info.num_blocks > 1 and info.block_size == tiny_config.cache.block_size and info.device == "cpu"
         out = executor.execute(first_step())
         assert out.req_ids == ["r"]
-        assert out.sampled_token_ids == hf_greedy(tiny_llama, [PROMPT], 1, ignore_eos=True)[0]
+        assert out.sampled_token_ids == [hf_greedy(tiny_llama, [PROMPT], 1, ignore_eos=True)[0]]
         with pytest.raises(ExecutorDeadError, match="model worker failed"):
             executor.execute(unknown_request_step())
         with pytest.raises(ExecutorDeadError, match="model worker failed"):  # and it stays dead

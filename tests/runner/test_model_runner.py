@@ -60,8 +60,8 @@ class Driver:
         self.pending, self.finished = [], []
         for r, n in zip(live, counts):
             self.computed[r] += n
-        for r, token in zip(out.req_ids, out.sampled_token_ids):
-            self.tokens[r].append(token)
+        for r, tokens in zip(out.req_ids, out.sampled_token_ids):
+            self.tokens[r].extend(tokens)
         for r, message in out.failed_requests.items():
             assert r not in out.req_ids and r not in out.prompt_logprobs
             assert r not in self.runner.states  # dropped at once

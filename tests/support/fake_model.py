@@ -231,9 +231,9 @@ class FakeRunner:
                 continue
             token = model.next_token(seq.tokens, seq.num_prompt, params)
             out.req_ids.append(req_id)
-            out.sampled_token_ids.append(token)
-            out.logprobs.append(None if params.logprobs is None else
-                                model.logprobs(seq.tokens, token, params.logprobs))
+            out.sampled_token_ids.append([token])
+            out.logprobs.append([] if params.logprobs is None else
+                                [model.logprobs(seq.tokens, token, params.logprobs)])
             seq.tokens.append(token)
         return out
 
