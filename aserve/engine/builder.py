@@ -112,6 +112,7 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
 
     `executor_factory(config)` makes the (unstarted) executor; tests hand in one whose runner is fake.
     """
+    from aserve.config.speculative import draft_model_name
     from aserve.model_source import resolve_model
 
     args.validate()  # before any model work: a bad flag is reported at once
@@ -122,8 +123,10 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
     tokenizer_path = args.tokenizer
     if tokenizer_path is not None and not Path(tokenizer_path).exists():
         tokenizer_path = resolve_model(tokenizer_path, args.tokenizer_revision, args.download_dir, "auto")
+    draft = draft_model_name(args)  # speculative decoding's draft model resolves like --model
+    draft_path = resolve_model(draft, None, args.download_dir, "auto") if draft else None
     config = args.create_config(model_path=model_path, tokenizer_path=tokenizer_path,
-                                cuda_available=args.device != "cpu" and cuda_available())
+                                cuda_available=args.device != "cpu" and cuda_available(), draft_model_path=draft_path)
     load_scheduler_class(config.scheduler.scheduler_cls)  # before the model loads: a bad path fails at once
     # The tokenizer (~1 s, mostly imports) loads on a thread while the executor starts the model (a
     # worker process spends ~2 s importing torch before it loads anything): start-up overlaps them.

@@ -104,7 +104,8 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.empty((), dtype=self._kv_dtype()).element_size()
-        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        draft = self.proposer.kv_bytes_per_block() if self.proposer is not None else 0
+        return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem + draft
 
     def run_profile_step(self) -> None:
         """Run the largest step the scheduler can emit once: `max_num_batched_tokens` prompt tokens
@@ -172,6 +173,8 @@ class ModelRunner:
             self.cpu_kv_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)
                                   for _ in range(a.num_hidden_layers)]
         self.model.bind_kv_caches(self.kv_caches)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks, num_cpu_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)%s", num_blocks - 1,
                     self.block_size, (num_blocks - 1) * self.block_size, num_blocks * per_block / GiB, dtype,
                     f"; {num_cpu_blocks} CPU swap blocks" if num_cpu_blocks else "")
@@ -259,8 +262,11 @@ class ModelRunner:
         state.num_computed_tokens = cached.num_computed_tokens
 
     def _apply_block_ops(self, so: SchedulerOutput) -> None:
-        for pairs, src_caches, dst_caches in ((so.blocks_to_swap_out, self.kv_caches, self.cpu_kv_caches),
-                                              (so.blocks_to_swap_in, self.cpu_kv_caches, self.kv_caches)):
+        device_caches, cpu_caches = self.kv_caches, self.cpu_kv_caches
+        if self.proposer is not None and self.proposer.kv_caches:  # a draft model's cache moves with the target's
+            device_caches, cpu_caches = device_caches + self.proposer.kv_caches, cpu_caches + self.proposer.cpu_kv_caches
+        for pairs, src_caches, dst_caches in ((so.blocks_to_swap_out, device_caches, cpu_caches),
+                                              (so.blocks_to_swap_in, cpu_caches, device_caches)):
             if not pairs:
                 continue
             src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
@@ -324,6 +330,8 @@ class ModelRunner:
         inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled], spec)
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
         hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
+        if self.proposer is not None:
+            self.proposer.catch_up(inputs)
 
         prompt_logprobs = {}
         for req_id, (start, count, first_target) in inputs.prompt_logprob_spans.items():

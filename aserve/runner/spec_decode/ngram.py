@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from aserve.runner.spec_decode.base import Proposer
+
 # Only the most recent tokens are searched, so a step's lookup cost does not grow with the context.
 _SEARCH_WINDOW = 4096
 
@@ -33,7 +35,7 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Proposes drafts for the requests that sampled this step, from their own token lists."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
