@@ -69,6 +69,7 @@ class StatLineLogger:
         self._latest = SchedulerStats()
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._spec = [0, 0, 0]  # drafts, draft tokens, accepted tokens (speculative decoding)
         self._changed = False
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
@@ -76,6 +77,11 @@ class StatLineLogger:
         self._generation_tokens += iteration_stats.num_generation_tokens
         self._prefix_queries += scheduler_stats.prefix_cache_queries
         self._prefix_hits += scheduler_stats.prefix_cache_hits
+        spec = scheduler_stats.spec_decoding
+        if spec is not None and spec.num_drafts:
+            self._spec[0] += spec.num_drafts
+            self._spec[1] += spec.num_draft_tokens
+            self._spec[2] += spec.num_accepted_tokens
         self._latest = scheduler_stats
         self._changed = True
 
@@ -98,9 +104,14 @@ class StatLineLogger:
                 f"Swapped: {s.num_swapped_reqs} reqs, KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate:.1f}%"
             )
+            drafts, draft_tokens, accepted = self._spec
+            if drafts:  # vLLM's spec-decode figures
+                line += (f", Spec decode: draft acceptance rate: {100.0 * accepted / draft_tokens:.1f}%, "
+                         f"mean acceptance length: {1 + accepted / drafts:.2f}")
         self._last_time = now
         self._prompt_tokens = self._generation_tokens = 0
         self._prefix_queries = self._prefix_hits = 0
+        self._spec = [0, 0, 0]
         self._changed = bool(s.num_running_reqs or s.num_waiting_reqs)
         return line
 

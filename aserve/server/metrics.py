@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from aserve.engine.stats import IterationStats, SchedulerStats, StatLineLogger
 from aserve.server.lora_metrics import LoRAMetrics
+from aserve.server.spec_decode_metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("aserve.server.stats")
 
@@ -56,8 +57,9 @@ class PrometheusStatLogger:
     """A StatLogger that keeps aserve's Prometheus metrics in its own registry."""
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-                 max_loras: int | None = None):
-        """`max_loras`: LoRA is enabled with this many adapter slots (adds `lora_metrics.py`'s series)."""
+                 max_loras: int | None = None, num_speculative_tokens: int | None = None):
+        """`max_loras`: LoRA is enabled with this many adapter slots (adds `lora_metrics.py`'s series).
+        `num_speculative_tokens`: speculative decoding is on (adds `spec_decode_metrics.py`'s series)."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -144,6 +146,8 @@ class PrometheusStatLogger:
         for reason in ("stop", "length"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
         self.lora = LoRAMetrics(model_name, max_loras, reg) if max_loras is not None else None
+        self.spec_decode = (SpecDecodeMetrics(model_name, num_speculative_tokens, reg)
+                            if num_speculative_tokens is not None else None)
 
     def _label(self, metric: Any, **extra: str) -> Any:
         return metric.labels(model_name=self.model_name, **extra)
@@ -180,6 +184,8 @@ class PrometheusStatLogger:
                 tpot.observe(value)
         for req in it.finished_requests:
             self._record_finished(req)
+        if self.spec_decode is not None:
+            self.spec_decode.record(s.spec_decoding)
         if self.lora is not None:
             self.lora.record_adapters(s.running_lora_adapters, s.waiting_lora_adapters)
             for req in it.finished_requests:

@@ -151,6 +151,7 @@ class ServerState:
         digest = hashlib.sha256(
             f"{version}|{model_config.model_path}|{model_config.dtype}".encode()
         ).hexdigest()
+        spec = engine.config.speculative
         return cls(
             engine=engine,
             args=args,
@@ -158,7 +159,8 @@ class ServerState:
             tokenizer=tokenizer,
             renderer=ChatRenderer(tokenizer, template),
             metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len,
-                                         max_loras=engine.loras.max_loras if engine.loras.enabled else None),
+                                         max_loras=engine.loras.max_loras if engine.loras.enabled else None,
+                                         num_speculative_tokens=spec.num_speculative_tokens if spec else None),
             drain_rate=DrainRate(),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
