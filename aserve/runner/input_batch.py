@@ -57,8 +57,12 @@ def build_model_inputs(
     """Pack one step. `pad_to_num_seqs` pads a decode-only batch to a fixed size (graphs / static shapes):
     padded sequences write nowhere (slot -1), read the reserved null block 0 and are never sampled.
     `spec_token_ids`: drafts that follow a request's tokens this step (speculative decoding); the
-    request's logits rows are then its last token's and each draft's."""
-    order = sorted(range(len(scheduled_req_ids)), key=lambda i: num_scheduled_tokens[i] != 1)
+    request's logits rows are then its last token's and each draft's. Attention sees such a request as
+    one decode row per token (batch expansion: row j attends to the positions up to its own, and every
+    new K/V is written before any row attends), so verification runs on the decode paths."""
+    spec = spec_token_ids or {}
+    order = sorted(range(len(scheduled_req_ids)),
+                   key=lambda i: num_scheduled_tokens[i] != 1 and scheduled_req_ids[i] not in spec)
     req_ids = [scheduled_req_ids[i] for i in order]
     counts = np.fromiter((num_scheduled_tokens[i] for i in order), dtype=np.int64, count=len(order))
     num_seqs = len(req_ids)
@@ -74,7 +78,6 @@ def build_model_inputs(
                                 count=num_seqs)
         positions = starts.copy()
     else:
-        spec = spec_token_ids or {}
         input_ids = np.concatenate([np.asarray(s.token_ids[int(a):int(b)] + spec[s.req_id]
                                                if s.req_id in spec else s.token_ids[int(a):int(b)], dtype=np.int64)
                                     for s, a, b in zip(seq_states, starts, seq_lens)])
@@ -104,19 +107,23 @@ def build_model_inputs(
         num_seqs = num_decodes = pad_to_num_seqs
         total = pad_to_num_seqs
 
-    seq_lens32 = seq_lens.astype(np.int32)
+    rows = (num_seqs, num_decodes, counts, seq_lens, block_table, query_start_loc)
+    if spec:
+        rows = _expand_verify_rows([r in spec for r in req_ids], starts, *rows[2:])
+    meta_seqs, meta_decodes, meta_counts, meta_lens, meta_table, meta_starts = rows
+    seq_lens32 = meta_lens.astype(np.int32)
     meta = AttentionMetadata(
         num_tokens=total,
-        num_seqs=num_seqs,
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
+        num_seqs=meta_seqs,
+        num_decodes=meta_decodes,
+        num_decode_tokens=meta_decodes,
         slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
-        query_start_loc=torch.from_numpy(query_start_loc).to(device, non_blocking=True),
+        query_start_loc=torch.from_numpy(meta_starts).to(device, non_blocking=True),
         seq_lens=torch.from_numpy(seq_lens32).to(device, non_blocking=True),
-        block_tables=torch.from_numpy(block_table).to(device, non_blocking=True),
-        max_query_len=int(counts.max()) if num_seqs else 0,
-        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
-        query_start_loc_cpu=query_start_loc.tolist(),
+        block_tables=torch.from_numpy(meta_table).to(device, non_blocking=True),
+        max_query_len=int(meta_counts.max()) if meta_seqs else 0,
+        max_seq_len=int(meta_lens.max()) if meta_seqs else 0,
+        query_start_loc_cpu=meta_starts.tolist(),
         seq_lens_cpu=seq_lens32.tolist(),
     )
 
@@ -148,3 +155,21 @@ def build_model_inputs(
         logits_indices=logits_indices,
         prompt_logprob_spans=spans,
     )
+
+
+def _expand_verify_rows(verify: list[bool], starts: np.ndarray, counts: np.ndarray, seq_lens: np.ndarray,
+                        block_table: np.ndarray, query_start_loc: np.ndarray):
+    """Attention rows with each verifying request (sorted among the decodes) split into one decode row
+    per token. Returns (rows, decode rows, query lengths, seq lens, block table, query start locations)."""
+    mask = np.asarray(verify, dtype=bool)
+    per_req = np.where(mask, counts, 1)
+    row_req = np.repeat(np.arange(len(verify)), per_req)
+    num_rows = int(per_req.sum())
+    offset = np.arange(num_rows) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+    row_verify = mask[row_req]
+    lens = np.where(row_verify, starts[row_req] + 1 + offset, seq_lens[row_req])
+    row_counts = np.where(row_verify, 1, counts[row_req])
+    loc = np.zeros(num_rows + 1, dtype=np.int32)
+    np.cumsum(row_counts, out=loc[1:])
+    num_decodes = int(np.argmax(row_counts != 1)) if (row_counts != 1).any() else num_rows
+    return num_rows, num_decodes, row_counts, lens, block_table[row_req], loc
