@@ -45,7 +45,7 @@ class DraftPolicy:
             return drafts
         if self.config.disable_logprobs and req.sampling_params.logprobs is not None:
             return []
-        n = min(len(drafts), req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens)
+        n = min(len(drafts), req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens - 1)
         return drafts[:n] if n > 0 else []
 
     def take_stats(self) -> SpecDecodingStats | None:

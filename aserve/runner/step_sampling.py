@@ -104,8 +104,9 @@ class StepSampler:
         row = 0
         for req_id, draft in zip(req_ids, verifying):
             tokens = [best[row]]
+            stops = states[req_id].sampling.stop_token_ids_for_min_tokens
             for j, d in enumerate(draft):
-                if tokens[j] != d:
+                if tokens[j] != d or d in stops:
                     break
                 tokens.append(best[row + j + 1])
             row += len(draft) + 1

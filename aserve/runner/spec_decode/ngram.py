@@ -1,8 +1,9 @@
 """N-gram prompt lookup (vLLM's `ngram` method): drafts copied from earlier in the request's own tokens.
 
 For n from `max_n` down to `min_n`, the request's last n tokens are searched for earlier in its
-tokens (prompt and outputs); at the latest earlier occurrence, the tokens that followed it are the
-drafts (up to k). No match: no drafts. Host-only and cheap: one vectorised comparison per n over a
+tokens (prompt and outputs); the tokens that followed an occurrence are the drafts (up to k): the
+latest occurrence followed by k tokens, else the earliest (the longest continuation; inside a
+repeating stretch the latest would stop at the repeat). No match: no drafts. Host-only and cheap: one vectorised comparison per n over a
 window of the most recent tokens.
 """
 
@@ -17,7 +18,7 @@ _SEARCH_WINDOW = 4096
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `k` drafts following the longest (then latest) earlier match of the last n tokens."""
+    """Up to `k` drafts following the longest earlier match of the last n tokens (see the module docstring)."""
     num = len(token_ids)
     if num < min_n + 1 or k <= 0:
         return []
@@ -30,7 +31,8 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
         windows = np.lib.stride_tricks.sliding_window_view(arr[:size - 1], n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= size]
+            start = int(full[-1] if full.size else hits[0]) + n
             return tail[start:start + k]
     return []
 
