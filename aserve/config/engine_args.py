@@ -11,7 +11,6 @@ downstream validates these values again.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import re
 import os
@@ -22,13 +21,8 @@ from typing import Any
 
 from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from aserve.config.compilation import parse_compilation_config
-from aserve.config.errors import ConfigError, flag_name, require
-from aserve.config.guided_decoding import (
-    GUIDED_DECODING_BACKENDS,
-    GUIDED_OPTION_FIELDS,
-    UNSHIPPED_GUIDED_BACKENDS,
-    split_backend_options,
-)
+from aserve.config.errors import ConfigError, require
+from aserve.config.guided_decoding import resolve_structured_outputs
 from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.pooling import validate_pooling_args
@@ -341,48 +335,9 @@ class EngineArgs:
         return self.resolved_structured_outputs().backend
 
     def resolved_structured_outputs(self) -> StructuredOutputsConfig:
-        """--guided-decoding-backend (vLLM's `backend:option,...` form) and --structured-outputs-config
-        (its `backend` wins; its option keys and the suffix options add up) as one config. ConfigError
-        naming the flag for: an unknown key or option, a non-boolean option, a key set false that a
-        suffix sets, outlines / lm-format-enforcer (not shipped), unknown backends, guidance without
-        llguidance. `reasoning_parser` is the server's (`--reasoning-parser`): checked there."""
-        arg, value = "guided_decoding_backend", self.guided_decoding_backend
-        try:
-            bare, options = split_backend_options(value)
-        except ValueError as e:
-            raise ConfigError(f"{flag_name(arg)}: {e}") from None
-        keys = self.structured_outputs_config
-        if keys is not None:
-            known = {"backend", "reasoning_parser", *GUIDED_OPTION_FIELDS}
-            unknown = set(keys) - known
-            require(not unknown, "structured_outputs_config",
-                    f"unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
-            if "backend" in keys:
-                arg, value = "structured_outputs_config", keys["backend"]
-                require(isinstance(value, str), arg, f"backend must be a string, got {value!r}")
-                try:
-                    bare, more = split_backend_options(value)
-                except ValueError as e:
-                    raise ConfigError(f"{flag_name(arg)}: {e}") from None
-                options.update(more)
-            for name in GUIDED_OPTION_FIELDS:
-                if name in keys:
-                    require(isinstance(keys[name], bool), "structured_outputs_config",
-                            f"{name} must be true or false, got {keys[name]!r}")
-                    require(keys[name] or not options.get(name), "structured_outputs_config",
-                            f"{name}=false contradicts the backend option that sets it "
-                            f"(--guided-decoding-backend {self.guided_decoding_backend!r})")
-                    options[name] = options.get(name, False) or keys[name]
-            parser = keys.get("reasoning_parser")
-            require(parser is None or isinstance(parser, str), "structured_outputs_config",
-                    f"reasoning_parser must be a string, got {parser!r}")
-        require(bare not in UNSHIPPED_GUIDED_BACKENDS, arg,
-                f"the {bare!r} backend is not supported by aserve; use 'auto', 'xgrammar' or 'guidance'")
-        require(bare in GUIDED_DECODING_BACKENDS, arg,
-                f"must be one of {GUIDED_DECODING_BACKENDS}, got {value!r}")
-        require(bare != "guidance" or importlib.util.find_spec("llguidance") is not None, arg,
-                "'guidance' needs the llguidance package (pip install llguidance)")
-        return StructuredOutputsConfig(backend=bare, **options)
+        """--guided-decoding-backend and --structured-outputs-config as one config
+        (aserve/config/guided_decoding.py's `resolve_structured_outputs`)."""
+        return resolve_structured_outputs(self.guided_decoding_backend, self.structured_outputs_config)
 
 
 def _has_type(value: Any, tp: Any) -> bool:
