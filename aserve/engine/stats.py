@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from aserve.core.stats import SchedulerStats
+from aserve.core.stats import SchedulerStats, SpecDecodingStats  # noqa: F401 - re-exported for the server
 
 
 @dataclass

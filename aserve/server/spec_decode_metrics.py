@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from aserve.core.stats import SpecDecodingStats
+from aserve.engine.stats import SpecDecodingStats
 
 
 class SpecDecodeMetrics:
