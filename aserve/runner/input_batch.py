@@ -54,8 +54,8 @@ def build_model_inputs(
     pad_to_num_seqs: int | None = None,
     spec_token_ids: dict[str, list[int]] | None = None,
 ) -> ModelInputs:
-    """Pack one step. `pad_to_num_seqs` pads a decode-only batch to a fixed size (graphs / static shapes):
-    padded sequences write nowhere (slot -1), read the reserved null block 0 and are never sampled.
+    """Pack one step. `pad_to_num_seqs` pads a batch of decode rows to a fixed size (graphs / static shapes):
+    padded rows write nowhere (slot -1), read the reserved null block 0 and are never sampled.
     `spec_token_ids`: drafts that follow a request's tokens this step (speculative decoding); the
     request's logits rows are then its last token's and each draft's. Attention sees such a request as
     one decode row per token (batch expansion: row j attends to the positions up to its own, and every
@@ -94,23 +94,22 @@ def build_model_inputs(
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
 
-    if pad_to_num_seqs is not None and pad_to_num_seqs > num_seqs:
-        assert num_decodes == num_seqs, "only decode-only batches are padded"
-        pad = pad_to_num_seqs - num_seqs
-        input_ids = np.concatenate((input_ids, np.zeros(pad, dtype=np.int64)))
-        positions = np.concatenate((positions, np.zeros(pad, dtype=np.int64)))
-        slot_mapping = np.concatenate((slot_mapping, np.full(pad, -1, dtype=np.int64)))
-        block_table = np.concatenate((block_table, np.zeros((pad, block_table.shape[1]), dtype=np.int32)))
-        seq_lens = np.concatenate((seq_lens, np.ones(pad, dtype=np.int64)))
-        query_start_loc = np.arange(pad_to_num_seqs + 1, dtype=np.int32)
-        counts = np.concatenate((counts, np.ones(pad, dtype=np.int64)))
-        num_seqs = num_decodes = pad_to_num_seqs
-        total = pad_to_num_seqs
-
     rows = (num_seqs, num_decodes, counts, seq_lens, block_table, query_start_loc)
     if spec:
         rows = _expand_verify_rows([r in spec for r in req_ids], starts, *rows[2:])
     meta_seqs, meta_decodes, meta_counts, meta_lens, meta_table, meta_starts = rows
+    if pad_to_num_seqs is not None and pad_to_num_seqs > meta_seqs:
+        assert meta_decodes == meta_seqs, "only decode-only batches are padded"
+        pad = pad_to_num_seqs - meta_seqs
+        input_ids = np.concatenate((input_ids, np.zeros(pad, dtype=np.int64)))
+        positions = np.concatenate((positions, np.zeros(pad, dtype=np.int64)))
+        slot_mapping = np.concatenate((slot_mapping, np.full(pad, -1, dtype=np.int64)))
+        meta_table = np.concatenate((meta_table, np.zeros((pad, meta_table.shape[1]), dtype=np.int32)))
+        meta_lens = np.concatenate((meta_lens, np.ones(pad, dtype=np.int64)))
+        meta_starts = np.arange(pad_to_num_seqs + 1, dtype=np.int32)
+        meta_counts = np.concatenate((meta_counts, np.ones(pad, dtype=np.int64)))
+        meta_seqs = meta_decodes = total = pad_to_num_seqs
+
     seq_lens32 = meta_lens.astype(np.int32)
     meta = AttentionMetadata(
         num_tokens=total,

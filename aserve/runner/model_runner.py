@@ -278,8 +278,8 @@ class ModelRunner:
     def _prepare(self, req_ids: list[str], num_tokens: list[int], spec: dict[str, list[int]]) -> ModelInputs:
         static = self.graph_runner is not None or self.force_static_decode
         pad_to = None
-        if static and all(n == 1 for n in num_tokens):
-            pad_to = padded_size(self.static_sizes, len(req_ids))
+        if static and all(n == 1 or r in spec for r, n in zip(req_ids, num_tokens)):  # decode rows only
+            pad_to = padded_size(self.static_sizes, sum(num_tokens))
         return build_model_inputs(self.states, req_ids, num_tokens, self.block_size, self.device,
                                   pad_to_num_seqs=pad_to, spec_token_ids=spec)
 

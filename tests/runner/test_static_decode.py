@@ -32,3 +32,31 @@ def test_padding_never_changes_tokens(tiny_llama, llm_with_runner):
         a = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
         b = [o.outputs[0].token_ids for o in padded.generate(batch, params, use_tqdm=False)]
         assert a == b, f"batch of {k}"
+
+
+def test_padded_verify_rows_never_change_tokens(tiny_llama, llm_with_runner):
+    """Speculative verification is decode rows too (batch expansion): padded to a capture size, the
+    tokens are the eager engine's without speculation."""
+    span = [5, 17, 99, 42, 7, 300, 12]
+    prompts = [span * 3, span[:4] * 4 + [8, 9], [200 + i for i in range(12)] + span]
+    common = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.02,
+                  max_num_seqs=10)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    padded_sizes: list[int] = []
+
+    class RecordingRunner(ModelRunner):
+        def _prepare(self, req_ids, num_tokens, spec_tokens):
+            inputs = super()._prepare(req_ids, num_tokens, spec_tokens)
+            if spec_tokens and inputs.meta.num_decodes == inputs.meta.num_seqs:
+                padded_sizes.append(inputs.meta.num_seqs)
+            return inputs
+
+    eager = LLM(tiny_llama, **common)
+    padded, _ = llm_with_runner(tiny_llama, lambda config: RecordingRunner(config, force_static_decode=True),
+                                speculative_config=spec, **common)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    a = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in padded.generate(batch, params, use_tqdm=False)]
+    assert a == b
+    assert padded_sizes and all(n in capture_sizes(10) for n in padded_sizes)
