@@ -25,6 +25,7 @@ from aserve.config.errors import ConfigError, require
 from aserve.config.guided_decoding import resolve_structured_outputs
 from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
+from aserve.config.observability import validate_observability_args
 from aserve.config.pooling import validate_pooling_args
 from aserve.config.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, REFUSED_METHODS, normalize_method
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
@@ -118,6 +119,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # accepted for vLLM's flag; only 1 is implemented (refused otherwise)
     disable_async_output_proc: bool = False
+    enable_sleep_mode: bool = False  # POST /sleep, /wake_up (aserve/runner/sleep_mode.py)
     attention_backend: str | None = None
     quantization: str | None = None
     disable_sliding_window: bool = False
@@ -155,6 +157,9 @@ class EngineArgs:
     # Speculative decoding (aserve/config/speculative.py): {"method": "ngram", "num_speculative_tokens": 4, ...}
     speculative_config: dict[str, Any] | str | None = None
     num_lookahead_slots: int = 0  # KV slots reserved past the scheduled tokens (a draft model's k at least)
+    # OpenTelemetry request spans (aserve/config/observability.py, aserve/engine/tracing.py)
+    otlp_traces_endpoint: str | None = None
+    collect_detailed_traces: str | None = None  # model, worker, all (comma-separated)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -185,6 +190,7 @@ class EngineArgs:
         validate_lora_args(self)
         validate_pooling_args(self)
         validate_speculative_args(self)
+        validate_observability_args(self.otlp_traces_endpoint, self.collect_detailed_traces)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
                       cuda_available: bool = False, draft_model_path: str | None = None) -> AserveConfig:

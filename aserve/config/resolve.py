@@ -16,6 +16,7 @@ from aserve.config.errors import require
 from aserve.config.families import normalize_keys
 from aserve.config.parallel import check_tensor_parallel
 from aserve.config.lora import resolve_lora_config
+from aserve.config.observability import resolve_observability
 from aserve.config.pooling import bare_model_architecture, needs_whole_prompt, resolve_pooling_config, resolve_task
 from aserve.config.quantization import resolve_quantization
 from aserve.config.speculative import resolve_num_lookahead_slots, resolve_speculative_config
@@ -194,11 +195,13 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             max_seq_len_to_capture=args.max_seq_len_to_capture,
             attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
             disable_async_output_proc=args.disable_async_output_proc,
+            enable_sleep_mode=args.enable_sleep_mode,
         ),
         structured_outputs=args.resolved_structured_outputs(),
         lora=resolve_lora_config(args, model_cfg.dtype, model_impl),
         pooling=pooling,
         speculative=speculative,
+        observability=resolve_observability(args.otlp_traces_endpoint, args.collect_detailed_traces),
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from aserve.config.hf_config import ArchConfig
 from aserve.config.pooling import PoolingConfig
 from aserve.config.quantization import QuantSpec
+from aserve.config.observability import ObservabilityConfig
 from aserve.config.speculative import SpeculativeConfig
 
 GiB = 1 << 30
@@ -114,6 +115,7 @@ class RunnerConfig:
     compile_sizes: tuple[int, ...] = ()
     compile_backend: str = "inductor"  # torch.compile backend of the CPU decode
     disable_async_output_proc: bool = False
+    enable_sleep_mode: bool = False  # the runner may release its KV cache and weights while idle
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class AserveConfig:
     lora: LoRAConfig = LoRAConfig()
     pooling: PoolingConfig | None = None  # None: a generating model (aserve/config/pooling.py)
     speculative: SpeculativeConfig | None = None  # None: speculation off (aserve/config/speculative.py)
+    observability: ObservabilityConfig = ObservabilityConfig()  # tracing (aserve/config/observability.py)
 
     @property
     def is_pooling(self) -> bool:

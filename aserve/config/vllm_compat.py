@@ -126,10 +126,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "quantization_param_path": _refused("str", None, f"fp8 KV-cache scaling factors from a file: {_QUANT}"),
     "calculate_kv_scales": _refused("bool", False, f"computing fp8 KV-cache scales at run time: {_QUANT}"),
     "pooler_config": CompatArg("alias", "json", None, "", target="override_pooler_config"),
-    "enable_sleep_mode": _refused("bool", False, "sleep mode is not implemented yet (issue 24, sleep mode)"),
-    "otlp_traces_endpoint": _refused("str", None, "OpenTelemetry tracing is not implemented yet (issue 24, tracing)"),
-    "collect_detailed_traces": _refused("str", None, "OpenTelemetry tracing is not implemented yet "
-                                        "(issue 24, tracing)"),
 }
 
 

@@ -114,6 +114,8 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     pooled_outputs: dict[str, PooledData] = {}
     # req_id -> draft tokens proposed for its next step (only with SchedulerOutput.propose_drafts).
     draft_token_ids: dict[str, list[int]] = {}
+    # seconds in the model's forward pass this step (measured only with --collect-detailed-traces model|all)
+    forward_time: float = 0.0
 
 
 class RunnerInfo(msgspec.Struct):
@@ -130,6 +132,10 @@ class RunnerInfo(msgspec.Struct):
 class EngineCoreEventType(IntEnum):
     SCHEDULED = 1  # admitted from the waiting queue (first time, or again after a preemption)
     PREEMPTED = 2
+
+
+# Sleep mode's parts (vLLM's wake-up tags): the runner's weights and its KV cache.
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class EngineCoreEvent(msgspec.Struct, array_like=True):

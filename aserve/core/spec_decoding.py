@@ -29,10 +29,6 @@ class DraftPolicy:
             self.max_len = min(self.max_len, config.max_model_len)
         self.stats = SpecDecodingStats()
 
-    @property
-    def enabled(self) -> bool:
-        return self.config is not None
-
     def step_enabled(self, num_running: int) -> bool:
         """Whether a step with `num_running` running requests verifies (and asks for) drafts."""
         cfg = self.config

@@ -19,6 +19,7 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_used_blocks: int = 0
     num_total_blocks: int = 0
+    num_cpu_blocks: int = 0  # host blocks for swapping (--preemption-mode swap)
     num_tokens_in_used_blocks: int = 0  # computed tokens held by the running requests' blocks
     running_lora_adapters: list[str] = field(default_factory=list)  # adapter names of running requests
     waiting_lora_adapters: list[str] = field(default_factory=list)  # ... of waiting requests (not running)

@@ -21,10 +21,11 @@ import time
 import anyio
 
 from aserve.config import EngineArgs
-from aserve.core.batch import SchedulerOutput
+from aserve.core.batch import SLEEP_TAGS, SchedulerOutput
 from aserve.core.stats import SchedulerStats
 from aserve.engine.builder import ExecutorFactory
 from aserve.engine.engine_core import EngineCoreOutputs
+from aserve.engine.errors import EngineBusyError, EngineSleepingError
 from aserve.engine.llm_engine import LLMEngine
 from aserve.engine.lora_registry import LoRARegistry
 from aserve.engine.stats import StatLogger
@@ -121,6 +122,7 @@ class AsyncEngine:
         self.overlap = not engine.config.runner.disable_async_output_proc
         # The executor runs one call at a time: a step, or an adapter load between steps (FIFO).
         self._executor_lock = anyio.Lock()
+        self._asleep: set[str] = set()  # sleep mode: the parts (SLEEP_TAGS) not woken up yet
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
@@ -164,17 +166,22 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, priority: int = 0, client_id: str | None = None,
-                    lora_request: LoRARequest | None = None) -> RequestStream:
+                    lora_request: LoRARequest | None = None,
+                    trace_headers: dict[str, str] | None = None) -> RequestStream:
         """Validates (raises SamplingParamsError naming the field) and queues a request; `client_id`
         (a hash of the API key, never the key) shares the batch fairly between clients;
-        `lora_request` must be registered (`add_lora`)."""
+        `lora_request` must be registered (`add_lora`); `trace_headers` (W3C `traceparent`,
+        `tracestate`) parent its OpenTelemetry span."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error}")
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
+        if self._asleep:
+            raise EngineSleepingError("the model is sleeping (sleep mode): POST /wake_up to serve requests again")
         stream = RequestStream(request_id, params.output_kind)
         stream.prompt_token_ids = self.engine.add_request(
-            request_id, prompt, params, prompt_token_ids, priority, client_id=client_id, lora_request=lora_request)
+            request_id, prompt, params, prompt_token_ids, priority, client_id=client_id, lora_request=lora_request,
+            trace_headers=trace_headers)
         self.streams[request_id] = stream
         self._wakeup.set()
         return stream
@@ -202,6 +209,51 @@ class AsyncEngine:
             return False
         async with self._executor_lock:
             return await anyio.to_thread.run_sync(self.engine.remove_lora, lora_request.lora_int_id)
+
+    # -- sleep mode -------------------------------------------------------------------------------
+    @property
+    def sleep_mode_enabled(self) -> bool:
+        return self.config.runner.enable_sleep_mode
+
+    def is_sleeping(self) -> bool:
+        """True from `sleep` until every part has been woken up."""
+        return bool(self._asleep)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1) and the weights too (level 2) between steps; new requests
+        fail with EngineSleepingError until `wake_up`. Only when idle: EngineBusyError (nothing done)
+        while any request is unfinished. ValueError for another level or without sleep mode."""
+        if not self.sleep_mode_enabled:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error}")
+        if self.engine.has_unfinished_requests() or self.streams:
+            raise EngineBusyError(f"cannot sleep while {max(len(self.streams), 1)} requests are running")
+        self._asleep = set(SLEEP_TAGS)  # before any await: no request can enter from here on
+        await self._call_executor(self.engine.core.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the parts `tags` names ("weights", "kv_cache"; None: both); requests are served
+        again once every part is back. ValueError for an unknown tag; a no-op while awake."""
+        unknown = [t for t in tags or () if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {unknown}: use {list(SLEEP_TAGS)}")
+        parts = set(tags) if tags else set(SLEEP_TAGS)
+        if not self._asleep & parts:
+            return
+        await self._call_executor(self.engine.core.wake_up, tuple(sorted(parts)) if tags else None)
+        self._asleep -= parts
+
+    async def _call_executor(self, fn, *args) -> None:
+        """Between steps; a failure (ExecutorDeadError) kills the engine, as in a step."""
+        async with self._executor_lock:
+            try:
+                await anyio.to_thread.run_sync(fn, *args)
+            except Exception as exc:  # noqa: BLE001 - recorded (the engine is dead), re-raised
+                self.dead_error = exc
+                raise
 
     def queued_load(self, count_tokens: bool = True) -> tuple[int, int]:
         """(requests waiting, running or swapped: each sample of an n > 1 request counts one; their

@@ -112,10 +112,13 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
 
     `executor_factory(config)` makes the (unstarted) executor; tests hand in one whose runner is fake.
     """
+    from aserve.config.observability import resolve_observability
     from aserve.config.speculative import draft_model_name
+    from aserve.engine.tracing import check_otel_available
     from aserve.model_source import resolve_model
 
     args.validate()  # before any model work: a bad flag is reported at once
+    check_otel_available(resolve_observability(args.otlp_traces_endpoint, args.collect_detailed_traces))
     check_sampling_overrides(args)
     start = time.perf_counter()
     model_path = resolve_model(args.model, args.revision, args.download_dir, args.load_format,

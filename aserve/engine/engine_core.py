@@ -12,6 +12,7 @@ facts reach the front as `EngineCoreOutput.events` and `EngineCoreOutputs.schedu
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass
 
 from aserve.config import AserveConfig, ConfigError, KVCacheInfo
@@ -44,6 +45,17 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats
+    model_times: StepModelTimes | None = None  # only with --collect-detailed-traces
+
+
+@dataclass
+class StepModelTimes:
+    """One step's model timings (seconds) for the requests scheduled in it (sample ids): the forward
+    pass as the runner measured it, and the executor call as the engine measured it."""
+
+    req_ids: list[str]
+    forward_time: float
+    execute_time: float
 
 
 class EngineCore:
@@ -59,6 +71,8 @@ class EngineCore:
         scheduler_cls = load_scheduler_class(config.scheduler.scheduler_cls)
         self.scheduler = scheduler_cls(config.scheduler, config.cache, kv, lora.max_loras if lora.enable_lora else None,
                                        speculative=config.speculative)
+        self._detailed_traces = config.observability.collect_detailed_traces
+        self._last_execute_time = 0.0  # the latest execute_model call's seconds (detailed traces only)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,11 +112,18 @@ class EngineCore:
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Runs the step on the executor (blocking). Raises ExecutorDeadError when the runner is gone
         or failed in a way no single request owns: that is fatal for the engine."""
-        return self._executor.execute(scheduler_output)
+        if not self._detailed_traces:
+            return self._executor.execute(scheduler_output)
+        start = time.perf_counter()
+        output = self._executor.execute(scheduler_output)
+        self._last_execute_time = time.perf_counter() - start
+        return output
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        times = StepModelTimes(list(scheduler_output.scheduled_req_ids), runner_output.forward_time,
+                               self._last_execute_time) if self._detailed_traces else None
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), times)
 
     def step(self) -> EngineCoreOutputs:
         scheduler_output = self.schedule()
@@ -115,6 +136,20 @@ class EngineCore:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self._executor.remove_lora(lora_int_id)
+
+    # -- sleep mode (never while execute_model runs) -------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Release the runner's KV cache (level 1) and weights (level 2), blocking. RuntimeError (nothing
+        done) while any request is unfinished. The prefix cache is forgotten: the blocks' contents are
+        gone (the block pool itself stays)."""
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("cannot sleep while requests are unfinished")
+        self._executor.sleep(level)
+        self.scheduler.reset_prefix_cache()
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Bring back what `tags` names ("weights", "kv_cache"; None: both), blocking."""
+        self._executor.wake_up(tags)
 
     def shutdown(self) -> None:
         self._executor.shutdown()

@@ -17,8 +17,9 @@ from aserve.engine.input_processor import InputProcessor
 from aserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from aserve.engine.pooling_inputs import PoolingInputProcessor, TextPair
 from aserve.engine.pooling_outputs import PoolingOutputProcessor
-from aserve.engine.stats import StatLogger
+from aserve.engine.stats import PreemptionWarner, StatLogger
 from aserve.engine.lora_registry import LoRARegistry
+from aserve.engine.tracing import make_request_tracer
 from aserve.executor.base import make_executor
 from aserve.lora.errors import LoRAAdapterError
 from aserve.lora.request import LoRARequest
@@ -38,6 +39,10 @@ class LLMEngine:
         self.pooling_inputs = PoolingInputProcessor(parts.config, parts.tokenizer) if parts.config.is_pooling else None
         self.outputs = PoolingOutputProcessor() if parts.config.is_pooling else OutputProcessor(parts.tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.tracer = make_request_tracer(parts.config.observability, parts.config.model.served_model_name)
+        if self.tracer is not None:  # --otlp-traces-endpoint: one span per finished request
+            self.stat_loggers.append(self.tracer)
+        self.preemption_warner = PreemptionWarner(parts.config.scheduler.preemption_mode or "recompute")
         self.loras = LoRARegistry(parts.config.lora.enable_lora, parts.config.lora.max_loras)
         self._ids = itertools.count()
 
@@ -56,8 +61,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | TextPair | None, params: SamplingParams | PoolingParams,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
                     arrival_time: float | None = None, client_id: str | None = None,
-                    lora_request: LoRARequest | None = None) -> list[int]:
+                    lora_request: LoRARequest | None = None,
+                    trace_headers: dict[str, str] | None = None) -> list[int]:
         """Validates and queues a request. Returns its prompt token ids. Raises SamplingParamsError.
+        `trace_headers` (W3C `traceparent`, `tracestate`) make its `llm_request` span a child of the caller's.
         `client_id` names who sent it (the server passes a hash of the API key) for fair sharing.
         `lora_request` must be registered (`add_lora`). `PoolingParams` make a pooling request (a
         pooling engine takes only those; `prompt` may then be a text pair for a cross-encoder)."""
@@ -79,7 +86,7 @@ class LLMEngine:
         token_ids = self.inputs.process_prompt(prompt, prompt_token_ids, params)
         user_logprobs = params.logprobs is not None
         sample_ids = self.outputs.add_request(request_id, prompt, token_ids, params, user_logprobs, arrival,
-                                              lora_request)
+                                              lora_request, trace_headers)
         for request in self.inputs.make_requests(sample_ids, token_ids, params, arrival, priority, client_id,
                                                  lora_request):
             self.core.add_request(request)
@@ -132,12 +139,16 @@ class LLMEngine:
     def process(self, core_outputs: EngineCoreOutputs, step_time: float = 0.0) -> ProcessedOutputs:
         """The one loop over a step's outputs; samples that hit a stop string or failed are finished in
         the scheduler now (their blocks freed before the next step)."""
+        times = core_outputs.model_times
+        if times is not None and isinstance(self.outputs, OutputProcessor):
+            self.outputs.add_model_times(times.req_ids, times.forward_time, times.execute_time)
         processed = self.outputs.process_outputs(core_outputs.outputs)
         if processed.reqs_to_finish:
             self.core.finish_stopped(processed.reqs_to_finish)
         if processed.reqs_to_abort:
             self.core.abort_requests(processed.reqs_to_abort)
         processed.iteration_stats.step_time = step_time
+        self.preemption_warner.record(core_outputs.scheduler_stats.num_preemptions)
         for logger in self.stat_loggers:
             logger.record(core_outputs.scheduler_stats, processed.iteration_stats)
         return processed
@@ -149,3 +160,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # flushes the spans still batched

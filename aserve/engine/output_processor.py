@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from aserve.core.batch import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, TokenLogprobs
 from aserve.engine.detokenizer import IncrementalDetokenizer, check_stop_strings, decode_token_texts
-from aserve.engine.stats import FinishedRequestStats, IterationStats
+from aserve.engine.stats import FinishedRequestStats, IterationStats, RequestTrace
 from aserve.lora.request import LoRARequest
 from aserve.outputs import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput
 from aserve.sampling_params import RequestOutputKind, SamplingParams
@@ -72,6 +72,9 @@ class RequestState:
     num_finished: int = 0
     error: RequestError | None = None
     lora_request: LoRARequest | None = None
+    trace_headers: dict[str, str] | None = None
+    model_forward_time: float = 0.0  # seconds, summed over the steps it was scheduled in (detailed traces)
+    model_execute_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -94,8 +97,10 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, user_wants_logprobs: bool, arrival_time: float,
-                    lora_request: LoRARequest | None = None) -> list[str]:
-        """Registers a request; returns the sample request ids the engine must schedule."""
+                    lora_request: LoRARequest | None = None,
+                    trace_headers: dict[str, str] | None = None) -> list[str]:
+        """Registers a request; returns the sample request ids the engine must schedule.
+        `trace_headers` (W3C `traceparent` / `tracestate`) go into its finished stats' `trace`."""
         num = params.num_samples
         samples = []
         for i in range(num):
@@ -116,6 +121,7 @@ class OutputProcessor:
             stop_hold_back=max((len(s) for s in params.stop or ()), default=1) - 1
             if not params.include_stop_str_in_output else 0,
             lora_request=lora_request,
+            trace_headers=trace_headers or None,
         )
         self.requests[request_id] = state
         for s in samples:
@@ -141,6 +147,18 @@ class OutputProcessor:
                 s.changed = True
         state.num_finished = len(state.samples)
         return self._make_output(state)
+
+    def add_model_times(self, req_ids: list[str], forward_time: float, execute_time: float) -> None:
+        """Adds one step's model times to each request that had a sample in it (`req_ids`: sample ids);
+        a request whose several samples shared the step counts the step once."""
+        seen: set[str] = set()
+        for req_id in req_ids:
+            owner = self.sample_owner.get(req_id)
+            if owner is None or owner[0].request_id in seen:
+                continue
+            seen.add(owner[0].request_id)
+            owner[0].model_forward_time += forward_time
+            owner[0].model_execute_time += execute_time
 
     # -- the per-step loop ------------------------------------------------------------------------
     def process_outputs(self, outputs: list[EngineCoreOutput], now: float | None = None) -> ProcessedOutputs:
@@ -191,9 +209,16 @@ class OutputProcessor:
         hit_stop = False
         if out.new_token_ids:
             self._record_token_timing(state, stats, now, len(out.new_token_ids), out.num_cached_tokens)
-            self._append_tokens(state, sample, out)
             if state.params.stop and sample.detokenizer is not None:
-                hit_stop = self._check_stop_strings(state, sample)
+                # Token by token (speculation brings several a step): nothing after a stop string is kept.
+                lps = out.new_logprobs
+                for i, token in enumerate(out.new_token_ids):
+                    self._append_tokens(sample, [token], lps[i:i + 1] if lps else [])
+                    hit_stop = self._check_stop_strings(state, sample)
+                    if hit_stop:
+                        break
+            else:
+                self._append_tokens(sample, out.new_token_ids, out.new_logprobs)
         if sample.finish_reason is None and out.finish_reason is not None:
             sample.finish_reason = out.finish_reason
             sample.stop_reason = out.stop_reason
@@ -249,15 +274,15 @@ class OutputProcessor:
             result.append(d)
         return result
 
-    def _append_tokens(self, state: RequestState, sample: SampleState, out: EngineCoreOutput) -> None:
-        sample.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs:
+    def _append_tokens(self, sample: SampleState, token_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+        sample.token_ids.extend(token_ids)
+        if logprobs:
             if sample.cumulative_logprob is not None:
-                sample.cumulative_logprob += sum(e.logprobs[0] for e in out.new_logprobs)
+                sample.cumulative_logprob += sum(e.logprobs[0] for e in logprobs)
             if sample.logprobs is not None:
-                sample.logprobs.extend(self._logprob_dicts(out.new_logprobs))
+                sample.logprobs.extend(self._logprob_dicts(logprobs))
         if sample.detokenizer is not None:
-            sample.detokenizer.update(out.new_token_ids)
+            sample.detokenizer.update(token_ids)
             sample.text = sample.detokenizer.output_text
 
     def _check_stop_strings(self, state: RequestState, sample: SampleState) -> bool:
@@ -338,4 +363,10 @@ class OutputProcessor:
             inference_time=max(now - scheduled, 0.0),
             mean_time_per_output_token=decode_time / (num_gen - 1) if num_gen > 1 else 0.0,
             lora_name=state.lora_request.lora_name if state.lora_request is not None else None,
+            max_num_generation_tokens=max(len(s.token_ids) for s in state.samples),
+            trace=RequestTrace(
+                request_id=state.request_id, arrival_time=m.arrival_time, finished_time=now,
+                time_to_first_token=m.first_token_time - m.arrival_time if m.first_token_time is not None else None,
+                temperature=state.params.temperature, top_p=state.params.top_p, trace_headers=state.trace_headers,
+                model_forward_time=state.model_forward_time, model_execute_time=state.model_execute_time),
         )

@@ -36,6 +36,25 @@ class FinishedRequestStats:
     inference_time: float
     mean_time_per_output_token: float
     lora_name: str | None = None  # the adapter it ran with (None: the base model)
+    max_num_generation_tokens: int = 0  # the most tokens one of its samples generated (n > 1: of n)
+    trace: RequestTrace | None = None  # what its OpenTelemetry span needs (aserve/engine/tracing.py)
+
+
+@dataclass
+class RequestTrace:
+    """A finished request's facts for its `llm_request` span: wall-clock (time.time()) arrival and
+    finish, sampling parameters, the W3C trace headers it came with (`traceparent`, `tracestate`),
+    and the seconds the model spent on the steps it was part of (0.0 unless detailed traces are on)."""
+
+    request_id: str
+    arrival_time: float
+    finished_time: float
+    time_to_first_token: float | None
+    temperature: float
+    top_p: float
+    trace_headers: dict[str, str] | None = None
+    model_forward_time: float = 0.0
+    model_execute_time: float = 0.0
 
 
 @dataclass
@@ -130,3 +149,29 @@ class IntervalStatLineLogger(StatLineLogger):
         super().record(scheduler_stats, iteration_stats)
         if self._clock() - self._last_time >= self.interval:
             self.log_line()
+
+
+class PreemptionWarner:
+    """vLLM's preemption WARNING: logged for the first preemption and then once every `every`
+    (cumulative count), so a cache that is too small shows in the log without flooding it."""
+
+    def __init__(self, mode: str, every: int = 50, log: Callable[[str], None] | None = None):
+        self.mode = mode  # "recompute" or "swap"
+        self.every = every
+        self.num_cumulative_preemptions = 0
+        self._log = log or logging.getLogger("aserve.engine").warning
+
+    def record(self, num_preemptions: int) -> None:
+        """Adds a step's preemptions; logs once whenever the total passes 1, 1 + every, 1 + 2 * every..."""
+        if num_preemptions <= 0:
+            return
+        before = self.num_cumulative_preemptions
+        self.num_cumulative_preemptions += num_preemptions
+        if (before - 1) // self.every != (self.num_cumulative_preemptions - 1) // self.every or before == 0:
+            self._log(
+                f"{num_preemptions} request(s) preempted by {self.mode.upper()} mode because there is not "
+                "enough KV cache space. This can affect the end-to-end performance. Increase "
+                "gpu_memory_utilization (or --cpu-kvcache-space / --kv-cache-memory-bytes) or "
+                "tensor_parallel_size to provide more KV cache memory. "
+                f"total_num_cumulative_preemption={self.num_cumulative_preemptions}"
+            )

@@ -36,6 +36,16 @@ class Executor(Protocol):
         """Drop an adapter from the runner's caches; False if it held none with that id."""
         ...
 
+    def sleep(self, level: int) -> None:
+        """Sleep mode (never concurrently with `execute`, with no request running): release the KV
+        cache (level 1) and the weights (level 2). Any failure is ExecutorDeadError."""
+        ...
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Bring back what `tags` names ("weights", "kv_cache"; None: both). Any failure (a checkpoint
+        that no longer loads) is ExecutorDeadError."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

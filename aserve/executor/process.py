@@ -42,6 +42,8 @@ _decode_info = msgspec.msgpack.Decoder(RunnerInfo)
 _EXECUTE, _SHUTDOWN, _OK, _ERROR = b"E", b"S", b"O", b"X"
 _ADD_LORA, _REMOVE_LORA, _ADAPTER_ERROR = b"L", b"R", b"A"  # an adapter error leaves the worker running
 _decode_lora = msgspec.msgpack.Decoder(LoRARequest)
+_SLEEP, _WAKE_UP = b"Z", b"W"  # sleep mode: a failure is fatal, as in a step
+_decode_tags = msgspec.msgpack.Decoder(list[str] | None)
 
 
 def _limit_threads(world_size: int) -> None:
@@ -90,6 +92,15 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
             conn.send_bytes(_lora_call(runner, tag, body))
             continue
         try:
+            if tag == _SLEEP:
+                runner.sleep(int(body))
+                conn.send_bytes(_OK)
+                continue
+            if tag == _WAKE_UP:
+                tags = _decode_tags.decode(body)
+                runner.wake_up(None if tags is None else tuple(tags))
+                conn.send_bytes(_OK)
+                continue
             out = runner.execute(_decode_so.decode(body))
             conn.send_bytes(_OK + (_encoder.encode(out) if rank == 0 else b""))
         except BaseException:
@@ -213,6 +224,14 @@ class ProcessExecutor:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         return self._adapter_call(_REMOVE_LORA + str(int(lora_int_id)).encode()) == b"1"
+
+    def sleep(self, level: int) -> None:
+        self._broadcast(_SLEEP + str(int(level)).encode())
+        self._recv_all()
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self._broadcast(_WAKE_UP + _encoder.encode(None if tags is None else list(tags)))
+        self._recv_all()
 
     @property
     def pid(self) -> int | None:

@@ -64,5 +64,21 @@ class ThreadExecutor:
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.runner.remove_lora(lora_int_id)
 
+    def sleep(self, level: int) -> None:
+        self._call(self.runner.sleep, level)
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        self._call(self.runner.wake_up, tags)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A runner call whose failure leaves its state unknown: fatal, as in `execute`."""
+        if self._dead is not None:
+            raise ExecutorDeadError(f"model runner failed earlier: {self._dead!r}")
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._dead = exc
+            raise ExecutorDeadError(f"model runner failed: {exc!r}") from exc
+
     def shutdown(self) -> None:
         self.runner = None

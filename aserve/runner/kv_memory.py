@@ -8,6 +8,7 @@ import torch
 
 from aserve.runner.input_batch import ModelInputs
 
+
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor. On CPU its memory comes from calloc (through numpy), so the OS maps
     zero pages on first touch: GiBs of KV cache cost nothing at start-up (torch.zeros writes every

@@ -36,6 +36,7 @@ from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_siz
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from aserve.runner.kv_memory import ModelInputsForProfile, zeroed
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
+from aserve.runner.sleep_mode import RunnerSleep
 from aserve.runner.spec_decode import make_proposer, make_typical_acceptance
 from aserve.runner.step_sampling import StepSamples, StepSampler
 from aserve.runner.structured import StructuredOutputs
@@ -84,6 +85,7 @@ class ModelRunner:
         self.force_static_decode = force_static_decode
         self.static_sizes = capture_sizes(config.scheduler.max_num_seqs)
         self.max_blocks_per_seq = math.ceil(config.model.max_model_len / self.block_size)
+        self.sleep_state = RunnerSleep()
         torch.manual_seed(config.model.seed)
 
     # -- start-up ----------------------------------------------------------------------------------
@@ -110,7 +112,8 @@ class ModelRunner:
     def run_profile_step(self) -> None:
         """Run the largest step the scheduler can emit once: `max_num_batched_tokens` prompt tokens
         (at most `max_num_seqs` prompts of at most `max_model_len`), through a scratch KV cache, plus
-        the LM head over one row per sequence. Before `initialize_kv_cache` the scratch cache stays
+        the LM head over one row per sequence (k + 1 with speculation; a draft model's own activations
+        are not profiled). Before `initialize_kv_cache` the scratch cache stays
         bound until the real one replaces it."""
         sched = self.config.scheduler
         max_len = self.config.model.max_model_len
@@ -124,7 +127,9 @@ class ModelRunner:
             try:
                 hidden = self.model(dummy.input_ids, dummy.positions, dummy.meta)
                 if self.model.lm_head is not None:  # (a decoder embedder has none)
-                    self.model.compute_logits(hidden[-min(num_tokens, sched.max_num_seqs):])
+                    spec = self.config.speculative  # verification: k + 1 logits rows per sequence
+                    rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+                    self.model.compute_logits(hidden[-min(num_tokens, rows):])
             finally:
                 if self.kv_caches:  # already initialized: put the real cache back
                     self.model.bind_kv_caches(self.kv_caches)
@@ -163,6 +168,19 @@ class ModelRunner:
         # Tensor-parallel ranks hold the same blocks (their slices of every head): the scheduler sees one pool.
         num_blocks = all_reduce_min(num_blocks, self.parallel)
         num_cpu_blocks = all_reduce_min(num_cpu_blocks, self.parallel)
+        self.allocate_kv_caches(num_blocks, num_cpu_blocks)
+        self.bind_kv_caches(num_blocks, num_cpu_blocks)
+        self.sleep_state.kv_blocks = (num_blocks, num_cpu_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)%s", num_blocks - 1,
+                    self.block_size, (num_blocks - 1) * self.block_size, num_blocks * per_block / GiB,
+                    self._kv_dtype(),
+                    f"; {num_cpu_blocks} CPU swap blocks" if num_cpu_blocks else "")
+        return RunnerInfo(num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_size=self.block_size,
+                          kv_bytes_per_block=per_block, device=self.device.type,
+                          attention_backend=self.backend.name)
+
+    def allocate_kv_caches(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocates the target's cache tensors (zero pages on CPU) and its CPU swap tensors."""
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
         dtype = self._kv_dtype()
@@ -172,15 +190,21 @@ class ModelRunner:
             pin = self.device.type == "cuda"
             self.cpu_kv_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)
                                   for _ in range(a.num_hidden_layers)]
+
+    def bind_kv_caches(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Binds the allocated cache to the model's attention layers; allocates a draft model's."""
         self.model.bind_kv_caches(self.kv_caches)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks, num_cpu_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)%s", num_blocks - 1,
-                    self.block_size, (num_blocks - 1) * self.block_size, num_blocks * per_block / GiB, dtype,
-                    f"; {num_cpu_blocks} CPU swap blocks" if num_cpu_blocks else "")
-        return RunnerInfo(num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, block_size=self.block_size,
-                          kv_bytes_per_block=per_block, device=self.device.type,
-                          attention_backend=self.backend.name)
+
+    # -- sleep mode (between steps, no request running; aserve/runner/sleep_mode.py) ---------------
+    def sleep(self, level: int) -> None:
+        """Level 1: release the KV cache; level 2: the weights too. ValueError while requests run."""
+        self.sleep_state.sleep(self, level)
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Bring back the parts `tags` names ("weights", "kv_cache"; None: both)."""
+        self.sleep_state.wake_up(self, tags)
 
     def capture_graphs(self) -> None:
         """CUDA, unless enforce_eager: capture the decode graphs. Only host-sync-free backends can be
@@ -238,6 +262,11 @@ class ModelRunner:
             self.lora.remove_request(req_id)
         if state is not None:
             self.sampler.states.remove(state.sampling)
+
+    def forget_requests(self) -> None:
+        """Drops every request's state (sleep mode: only finished requests can have any left)."""
+        for req_id in list(self.states):
+            self._remove_request(req_id)
 
     def _fail(self, messages: dict[str, str], failed: dict[str, str], prompt_logprobs: dict) -> None:
         """Fails these requests alone: reported in `failed`, nothing else of theirs in the output."""
@@ -329,7 +358,12 @@ class ModelRunner:
         spec = so.scheduled_spec_token_ids
         inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled], spec)
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
+        timed = self.config.observability.collect_model_forward_time
+        start = time.perf_counter() if timed else 0.0
         hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
+        if timed and hidden.is_cuda:
+            torch.cuda.synchronize(hidden.device)  # detailed traces only: the kernels' time, not the launches'
+        forward_time = time.perf_counter() - start if timed else 0.0
         if self.proposer is not None:
             self.proposer.catch_up(inputs)
 
@@ -355,5 +389,6 @@ class ModelRunner:
         if so.propose_drafts and self.proposer is not None and samples.req_ids:
             drafts = self.proposer.propose(samples.req_ids, self.states, inputs)
         return RunnerOutput(req_ids=samples.req_ids, sampled_token_ids=samples.token_ids, logprobs=samples.logprobs,
-                            prompt_logprobs=prompt_logprobs, failed_requests=failed, draft_token_ids=drafts)
+                            prompt_logprobs=prompt_logprobs, failed_requests=failed, draft_token_ids=drafts,
+                            forward_time=forward_time)
 

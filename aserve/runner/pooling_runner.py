@@ -68,6 +68,10 @@ class PoolingModelRunner(ModelRunner):
     def capture_graphs(self) -> None:
         """Nothing to capture: pooling runs prompts only (no decode steps)."""
 
+    def forget_requests(self) -> None:
+        self.states.clear()
+        self.params.clear()
+
     # -- per step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:

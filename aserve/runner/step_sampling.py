@@ -15,8 +15,9 @@ batched argmax over all their rows.
 
 `typical_acceptance_sampler` (vLLM's name): a draft d is accepted when p(d) > min(threshold,
 alpha * exp(-H(p))), p the row's distribution after temperature; the first draft that fails is
-replaced by p's most likely token. It trades exactness for acceptance (as in vLLM); guided and
-greedy requests keep the exact rule.
+replaced by p's most likely token. It trades exactness for acceptance (as in vLLM); greedy and guided
+requests, requests asking for logprobs and requests whose logits are edited (bias, allowed tokens,
+min_tokens, penalties, logits processors) keep the exact rule.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from aserve.runner.structured import StructuredOutputs
 
 @dataclass
 class TypicalAcceptance:
+    """vLLM's typical-acceptance rule (see the module docstring)."""
+
     posterior_threshold: float
     posterior_alpha: float
 
@@ -57,6 +60,7 @@ class StepSamples:
     num_rejected: dict[str, int] = field(default_factory=dict)
 
     def add(self, req_id: str, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
+        """Records one request's tokens (and their logprobs, or []) for this step."""
         self.req_ids.append(req_id)
         self.token_ids.append(tokens)
         self.logprobs.append(logprobs)
@@ -78,8 +82,7 @@ class StepSampler:
         if verifying is None or not any(verifying):
             return self._sample_one(logits, req_ids, states, fill)
         rows = [states[r].sampling for r in req_ids]
-        if fill is None and all(r.greedy and not r.modifies_logits and r.num_logprobs is None for r in rows):
-            self.structured.finish_fill(fill)
+        if all(r.greedy and not r.modifies_logits and r.num_logprobs is None and r.grammar is None for r in rows):
             return self._verify_greedy(logits, req_ids, states, verifying)
         return self._verify(logits, req_ids, states, verifying, fill)
 
@@ -98,7 +101,7 @@ class StepSampler:
 
     # -- verification ------------------------------------------------------------------------------
     def _verify_greedy(self, logits, req_ids, states, verifying) -> StepSamples:
-        """Every request greedy with no history-dependent parameter: one argmax over all rows."""
+        """Every request greedy, unguided, with no history-dependent parameter: one argmax over all rows."""
         best = argmax(logits).tolist()
         out = StepSamples()
         row = 0
@@ -183,7 +186,8 @@ class StepSampler:
         for i in active:
             state, draft = states[req_ids[i]], verifying[i]
             sampling: RequestSampling = state.sampling
-            if pos >= len(draft) or sampling.greedy or sampling.grammar is not None or sampling.num_logprobs is not None:
+            if (pos >= len(draft) or sampling.greedy or sampling.grammar is not None or sampling.num_logprobs is not None
+                    or sampling.modifies_logits):
                 sample_now.append(i)
                 continue
             row = logits[offsets[i] + pos]

@@ -2,9 +2,9 @@
 
 The routes are listed once (`_operations`); the starlette routes, `/openapi.json` and `/docs` are all
 built from that list. As in vLLM, the API key guards /v1/*; unlike vLLM, also /reset_prefix_cache
-(it changes server state) and the pooling routes outside /v1 (/score, /rerank, /v2/rerank,
-/classify: they run the model); /health, /metrics, /version, /tokenize, /detokenize, /openapi.json
-and /docs stay open.
+and sleep mode's /sleep, /wake_up, /is_sleeping (they change server state) and the pooling routes
+outside /v1 (/score, /rerank, /v2/rerank, /classify: they run the model); /health, /ping, /load,
+/metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from aserve.server import chat, completions, embeddings, lora, misc, scoring
+from aserve.server import admin, chat, completions, embeddings, lora, misc, scoring
 from aserve.server import pooling_protocol as pp
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
@@ -41,7 +41,8 @@ _RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 # Requests that reach the engine: the early 429 and the rejection metrics cover them
 _ENGINE_PATHS = frozenset(_GENERATION_PATHS + ("/v1/embeddings", "/classify") + _SCORE_PATHS + _RERANK_PATHS)
 # outside /v1, yet guarded by the API key: a change of server state, and routes that run the model
-_KEYED_PATHS = frozenset({"/reset_prefix_cache", "/score", "/rerank", "/v2/rerank", "/classify"})
+_KEYED_PATHS = frozenset({"/reset_prefix_cache", "/score", "/rerank", "/v2/rerank", "/classify",
+                          "/sleep", "/wake_up", "/is_sleeping"})
 
 
 def requires_api_key(path: str) -> bool:
@@ -107,7 +108,9 @@ class GateMiddleware:
                 return
             if matched[0] is not None:
                 scope = {**scope, "state": {**scope.get("state", {}), "client_id": matched[0]}}
-        if scope["method"] == "POST" and _route_path(scope) in _ENGINE_PATHS:
+        engine_path = scope["method"] == "POST" and _route_path(scope) in _ENGINE_PATHS
+        if engine_path:
+            self.state.metrics.record_received()
             try:
                 self.state.check_queue_not_full()
             except APIError as exc:
@@ -118,6 +121,8 @@ class GateMiddleware:
             limit = self._max_body
             for name, value in scope["headers"]:
                 if name == b"content-length" and value.isdigit() and int(value) > limit:
+                    if engine_path:
+                        self.state.metrics.record_rejected("invalid_request")
                     await body_too_large(limit).to_response()(scope, receive, send)
                     return
             receive = _limited(receive, limit)
@@ -236,6 +241,14 @@ def _operations(runtime_lora_updates: bool = False) -> list[Operation]:
             misc.reset_prefix_cache,
             "Forget every cached prefix block (vLLM API); 409 while requests hold blocks",
         ),
+        Operation("POST", "/sleep", admin.sleep, "Sleep mode (--enable-sleep-mode): ?level=1 releases the KV "
+                  "cache, ?level=2 the weights too; 409 while requests run"),
+        Operation("POST", "/wake_up", admin.wake_up, "Sleep mode: wake up (?tags=weights|kv_cache: only those parts)"),
+        Operation("GET", "/is_sleeping", admin.is_sleeping, "Sleep mode: whether the model is asleep",
+                  response=dict[str, bool]),
+        Operation("GET", "/ping", admin.ping, "The same as /health (vLLM API)"),
+        Operation("POST", "/ping", admin.ping, "The same as /health (vLLM API)"),
+        Operation("GET", "/load", admin.load, "Requests in the engine now (vLLM API)", response=dict[str, int]),
     ]
 
 

@@ -44,6 +44,8 @@ _ENGINE_HELP = {
     "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process per "
                                     "tensor-parallel rank; the default with -tp > 1); ray is not implemented",
     "disable_async_output_proc": "do not overlap output processing with the next step",
+    "enable_sleep_mode": "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping: release the KV "
+                         "cache (level 2: the weights too) while idle",
     "enforce_eager": "never capture CUDA graphs (the same as -O0)",
     "compilation_config": "-O / -O3: a compilation level (0 eager, 3 compiled: CUDA graphs on CUDA, an "
                           "inductor-compiled decode on CPU) or a JSON object {\"level\": 3, \"compile_sizes\": [1]}",
@@ -124,6 +126,12 @@ _ENGINE_HELP = {
                           'e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     "num_lookahead_slots": "KV slots reserved past each request's scheduled tokens (at least a draft model's "
                            "num_speculative_tokens)",
+    "otlp_traces_endpoint": "send an OpenTelemetry span (llm_request) per request to this OTLP endpoint: "
+                            "http(s)://host:4318[/v1/traces] is OTLP/HTTP, grpc://host:4317 or host:4317 OTLP/gRPC "
+                            "($OTEL_EXPORTER_OTLP_TRACES_PROTOCOL overrides); needs pip install 'aserve[otel]'",
+    "collect_detailed_traces": "add per-request model timings to the spans: model (time in the forward pass), "
+                               "worker (time in the executor's step), all; comma-separated; needs "
+                               "--otlp-traces-endpoint",
 }
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 _ENGINE_DEFAULTS = {
@@ -193,6 +201,8 @@ class ServerArgs:
     max_num_queued_tokens: int = 0  # 0: unbounded
     max_request_body_bytes: int = 32 * 1024 * 1024  # 0: unbounded
     request_timeout: float | None = None  # seconds; None: no timeout
+    metrics_prefix: str = "vllm"  # the prefix of every Prometheus name: vllm or aserve
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in replies
 
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters loaded before serving (aserve/server/lora.py)
 
@@ -404,6 +414,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="abort a request still generating after this many seconds: 504 (code 'timeout'), or an SSE "
         "error event once streaming (default: no timeout)",
     )
+    g.add_argument("--metrics-prefix", default="vllm", choices=("vllm", "aserve"),
+                   help="prefix of every /metrics name: vllm (vLLM's dashboards and alerts work unchanged) or "
+                   "aserve (default: vllm)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                   "cache) in completions and chat replies")
 
 
 def add_tool_and_reasoning_arguments(parser: argparse.ArgumentParser) -> None:

@@ -47,7 +47,7 @@ from aserve.server.chat_template import content_text
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
 from aserve.server.pooling import require_generation
-from aserve.server.state import ServerState, client_id_of, get_state, logger
+from aserve.server.state import ServerState, client_id_of, get_state, logger, trace_headers_of
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
@@ -146,6 +146,11 @@ class _ChatJob:
     plan: ChatOutputPlan
     prompt: str
     num_completion_tokens: int = 0
+    num_cached: int = 0  # prompt tokens found in the prefix cache (the engine's latest word)
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        return self.num_cached if self.state.args.enable_prompt_tokens_details else None
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -194,7 +199,8 @@ async def create_chat_completion(request: Request) -> Response:
         await state.run_blocking(state.check_guided_decoding, params)  # compiles off the event loop
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = state.add_request(
-            request_id, prompt, prompt_ids, params, req.priority, client_id_of(request), state.lora_request_for(model)
+            request_id, prompt, prompt_ids, params, req.priority, client_id_of(request), state.lora_request_for(model),
+            trace_headers=trace_headers_of(request),
         )
     if len(outputs.prompt_token_ids) < len(prompt_ids):  # truncated: the rendered text no longer matches
         prompt_ids = outputs.prompt_token_ids
@@ -245,6 +251,7 @@ async def _collect(job: _ChatJob) -> ChatCompletionResponse:
     done = False
     try:
         async for out in job.outputs:
+            job.num_cached = out.num_cached_tokens
             for c in out.outputs:
                 texts.setdefault(c.index, []).append(c.text)
                 token_ids.setdefault(c.index, []).extend(c.token_ids)
@@ -288,7 +295,7 @@ async def _collect(job: _ChatJob) -> ChatCompletionResponse:
         )
     num_completion = sum(len(token_ids[i]) for i in indices)
     return reply_object(
-        job, ChatCompletionResponse, choices, usage=usage(job.num_prompt_tokens, num_completion)
+        job, ChatCompletionResponse, choices, usage=usage(job.num_prompt_tokens, num_completion, job.num_cached_tokens)
     )
 
 
@@ -314,6 +321,7 @@ async def _stream(job: _ChatJob, emit: Emit) -> None:
         ]
     try:
         async for out in job.outputs:
+            job.num_cached = out.num_cached_tokens
             events = []
             for c in out.outputs:
                 job.num_completion_tokens += len(c.token_ids)

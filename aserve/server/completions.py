@@ -40,7 +40,7 @@ from aserve.server.protocol import (
 from aserve.server.replies import chunk_event, end_events, failure_events, reply_object, respond
 from aserve.server.sse import Emit
 from aserve.server.pooling import require_generation
-from aserve.server.state import ServerState, client_id_of, get_state, logger
+from aserve.server.state import ServerState, client_id_of, get_state, logger, trace_headers_of
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -79,6 +79,7 @@ class _Prompt:
     token_ids: list[int]
     outputs: AsyncIterator[RequestOutput]
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (the engine's latest word)
 
 
 @dataclass
@@ -100,6 +101,12 @@ class _CompletionJob:
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        if not self.state.args.enable_prompt_tokens_details:
+            return None
+        return sum(p.num_cached_tokens for p in self.prompts)
 
 
 def _reject_unsupported(req: CompletionRequest) -> None:
@@ -168,7 +175,7 @@ async def create_completion(request: Request) -> Response:
             with sampling_errors_as_400({**fields, "prompt": param}):
                 outputs = state.add_request(
                     entry_id, raw if isinstance(raw, str) else None, ids, params, req.priority,
-                    client_id_of(request), state.lora_request_for(model),
+                    client_id_of(request), state.lora_request_for(model), trace_headers=trace_headers_of(request),
                 )
             kept = outputs.prompt_token_ids
             text = raw if isinstance(raw, str) and len(kept) == len(ids) else ""
@@ -216,6 +223,7 @@ async def _collect_prompt(p: _Prompt) -> tuple[dict[int, _Sample], Any]:
     samples: dict[int, _Sample] = {}
     prompt_positions = None
     async for out in p.outputs:
+        p.num_cached_tokens = out.num_cached_tokens
         if prompt_positions is None and out.prompt_logprobs is not None:
             prompt_positions = out.prompt_logprobs
         for c in out.outputs:
@@ -279,7 +287,7 @@ async def _collect(job: _CompletionJob) -> CompletionResponse:
                     state.decode_token, p.token_ids, prompt_positions, job.prompt_logprobs
                 )
             choices.append(choice)
-    return reply_object(job, CompletionResponse, choices, usage=usage(job.num_prompt_tokens, num_completion))
+    return reply_object(job, CompletionResponse, choices, usage=usage(job.num_prompt_tokens, num_completion, job.num_cached_tokens))
 
 
 def _chunk(job: _CompletionJob, choice: CompletionChoice) -> bytes:
@@ -309,6 +317,7 @@ async def _stream_prompt(job: _CompletionJob, p: _Prompt, emit: Emit) -> None:
     state = job.state
     echoed = not job.echo
     async for out in p.outputs:
+        p.num_cached_tokens = out.num_cached_tokens
         events = []
         if not echoed:  # wait for the first output: it carries the prompt logprobs
             events.extend(_echo_chunks(job, p, out.prompt_logprobs))

@@ -64,11 +64,11 @@ _G = {
         disable_logprobs_during_spec_decoding speculative_disable_mqa_scorer speculative_config""",
     "observability": """disable_log_stats stats_log_interval log_level uvicorn_log_level disable_log_requests
         enable_log_requests max_log_len show_hidden_metrics_for_version otlp_traces_endpoint
-        collect_detailed_traces""",
+        collect_detailed_traces metrics_prefix""",
     "server": """host port api_key chat_template chat_template_content_format response_role allowed_origins
         allowed_methods allowed_headers allow_credentials root_path ssl_keyfile ssl_certfile ssl_ca_certs
         ssl_cert_reqs shutdown_grace_period max_num_queued_reqs max_num_queued_tokens max_request_body_bytes
-        request_timeout middleware""",
+        request_timeout middleware enable_prompt_tokens_details""",
     "tools": "enable_auto_tool_choice tool_call_parser enable_reasoning reasoning_parser",
 }
 FLAG_GROUPS: dict[str, str] = {dest: key for key, names in _G.items() for dest in names.split()}

@@ -1,10 +1,11 @@
 """The LoRA metrics: vLLM's `lora_requests_info` gauge and seed 004's `lora_count` and
-`lora_time_e2e_requests` counters, kept in the app's own registry (see `metrics.py`).
+`lora_time_e2e_requests` counters, kept in the app's own registry (see `metrics.py`), named under
+the server's metrics prefix (`vllm` or `aserve`).
 
-`aserve:lora_requests_info` has one series at a time, labelled with the adapters of the running and
+`<prefix>:lora_requests_info` has one series at a time, labelled with the adapters of the running and
 of the waiting requests (comma-separated names, sorted) and `max_lora`; its value is the time of the
-last update. `aserve:lora_count` counts finished requests per adapter (`lora_name`) and
-`aserve:lora_time_e2e_requests` sums their end-to-end seconds.
+last update. `<prefix>:lora_count` counts finished requests per adapter (`lora_name`) and
+`<prefix>:lora_time_e2e_requests` sums their end-to-end seconds.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class LoRAMetrics:
-    def __init__(self, model_name: str, max_loras: int, registry: CollectorRegistry):
+    def __init__(self, model_name: str, max_loras: int, registry: CollectorRegistry, prefix: str = "vllm"):
         self.model_name = model_name
         self.max_loras = str(max_loras)
-        self.info = Gauge("aserve:lora_requests_info", "Running and waiting LoRA adapters (value: update time).",
+        self.info = Gauge(f"{prefix}:lora_requests_info", "Running and waiting LoRA adapters (value: update time).",
                           ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=registry)
-        self.count = Counter("aserve:lora_count", "Finished requests per LoRA adapter.",
+        self.count = Counter(f"{prefix}:lora_count", "Finished requests per LoRA adapter.",
                              ["model_name", "lora_name"], registry=registry)
-        self.time_e2e = Counter("aserve:lora_time_e2e_requests",
+        self.time_e2e = Counter(f"{prefix}:lora_time_e2e_requests",
                                 "End-to-end seconds of finished requests per LoRA adapter.",
                                 ["model_name", "lora_name"], registry=registry)
         self._last: tuple[str, str] | None = None

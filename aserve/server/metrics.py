@@ -1,8 +1,12 @@
 """Prometheus metrics and the periodic stats log line, both fed by the engine's StatLogger callback.
 
 Each app owns its `CollectorRegistry` (no global prometheus state), so several apps can live in
-one process (tests). Metric names carry the `aserve:` prefix and a `model_name` label, and cover
-what vLLM exports under `vllm:`.
+one process (tests). Every name carries the prefix given (`--metrics-prefix`: `vllm`, the default, so
+vLLM dashboards and alerts work unchanged, or `aserve`) and a `model_name` label. Besides vLLM's names,
+seed 004's vendor names: `request_total` (requests received), `request_process_success_total`
+(processed successfully), `request_process_fail_total` (failed), `inference_compute_infer_duration`
+(a histogram of each request's inference seconds, first scheduled to finished), `lora_count` and
+`lora_time_e2e_requests` (`lora_metrics.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from anyio.abc import TaskStatus
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from aserve.config.schema import CacheConfig
 from aserve.engine.stats import IterationStats, SchedulerStats, StatLineLogger
 from aserve.server.lora_metrics import LoRAMetrics
 from aserve.server.spec_decode_metrics import SpecDecodeMetrics
@@ -24,6 +29,7 @@ from aserve.server.spec_decode_metrics import SpecDecodeMetrics
 logger = logging.getLogger("aserve.server.stats")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+METRICS_PREFIXES = ("vllm", "aserve")
 
 _TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -38,6 +44,8 @@ _LATENCY_BUCKETS = [
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
 _N_BUCKETS = [1, 2, 5, 10, 20]
+_CACHE_INFO_LABELS = ["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype",
+                      "enable_prefix_caching", "gpu_memory_utilization", "swap_space", "num_gpu_blocks_override"]
 
 
 def token_buckets(max_value: int) -> list[float]:
@@ -57,23 +65,28 @@ class PrometheusStatLogger:
     """A StatLogger that keeps aserve's Prometheus metrics in its own registry."""
 
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
-                 max_loras: int | None = None, num_speculative_tokens: int | None = None):
+                 max_loras: int | None = None, num_speculative_tokens: int | None = None,
+                 prefix: str = "vllm"):
         """`max_loras`: LoRA is enabled with this many adapter slots (adds `lora_metrics.py`'s series).
-        `num_speculative_tokens`: speculative decoding is on (adds `spec_decode_metrics.py`'s series)."""
+        `num_speculative_tokens`: speculative decoding is on (adds `spec_decode_metrics.py`'s series).
+        `prefix`: one of METRICS_PREFIXES, before the colon of every name; ValueError otherwise."""
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.prefix = prefix
         labels = ["model_name"]
         reg = self.registry
         tok_buckets = token_buckets(max(max_model_len, 1))
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"aserve:{name}", doc, labels + list(extra), registry=reg)
+            return Counter(f"{prefix}:{name}", doc, labels + list(extra), registry=reg)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"aserve:{name}", doc, labels, registry=reg, multiprocess_mode="sum")
+            return Gauge(f"{prefix}:{name}", doc, labels, registry=reg, multiprocess_mode="sum")
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(f"aserve:{name}", doc, labels, buckets=buckets, registry=reg)
+            return Histogram(f"{prefix}:{name}", doc, labels, buckets=buckets, registry=reg)
 
         # gauges (scheduler state)
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
@@ -96,6 +109,14 @@ class PrometheusStatLogger:
             "request_failure",
             "Requests that ended without finishing: aborted, engine errors, or rejected by the server.",
             ("reason",),
+        )
+        # seed 004's vendor counters: received = processed successfully + failed + in flight
+        self.request_received = counter("request", "Requests received (generation and pooling endpoints).")
+        self.request_process_success = counter(
+            "request_process_success", "Requests processed successfully (finished by stop or length)."
+        )
+        self.request_process_fail = counter(
+            "request_process_fail", "Requests that failed: rejected, aborted or engine errors."
         )
         # per-request histograms
         self.request_prompt_tokens = histogram(
@@ -135,8 +156,22 @@ class PrometheusStatLogger:
         )
         self.prefill_time = histogram("request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS)
+        self.inference_compute = histogram(
+            "inference_compute_infer_duration",
+            "Inference compute seconds per request (first scheduled to finished; seed 004).",
+            _LATENCY_BUCKETS,
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens any one sample of a request generated.",
+            tok_buckets,
+        )
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens (prompt + generated) per step.", token_buckets(1 << 16)
+        )
+        self.cache_config_info = Gauge(
+            f"{prefix}:cache_config_info", "The KV-cache configuration (labels); value 1.", _CACHE_INFO_LABELS,
+            registry=reg, multiprocess_mode="mostrecent",
         )
 
         # Expose every series from the start (at zero), so a scrape before the first request sees them.
@@ -145,9 +180,28 @@ class PrometheusStatLogger:
                 metric.labels(model_name=model_name)
         for reason in ("stop", "length"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
-        self.lora = LoRAMetrics(model_name, max_loras, reg) if max_loras is not None else None
-        self.spec_decode = (SpecDecodeMetrics(model_name, num_speculative_tokens, reg)
+        self.lora = LoRAMetrics(model_name, max_loras, reg, prefix) if max_loras is not None else None
+        self.spec_decode = (SpecDecodeMetrics(model_name, num_speculative_tokens, reg, prefix)
                             if num_speculative_tokens is not None else None)
+
+    def record_cache_config(self, cache: CacheConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Sets `cache_config_info` (vLLM's info gauge: value 1, the configuration in its labels)."""
+        self.cache_config_info.clear()
+        self.cache_config_info.labels(
+            model_name=self.model_name,
+            block_size=str(cache.block_size),
+            num_gpu_blocks=str(num_gpu_blocks),
+            num_cpu_blocks=str(num_cpu_blocks),
+            cache_dtype=cache.kv_cache_dtype,
+            enable_prefix_caching=str(cache.enable_prefix_caching),
+            gpu_memory_utilization=str(cache.gpu_memory_utilization),
+            swap_space=str(cache.swap_space_gb),
+            num_gpu_blocks_override=str(cache.num_gpu_blocks_override),
+        ).set(1)
+
+    def record_received(self) -> None:
+        """A request arrived on an endpoint that runs the model (counted before any check)."""
+        self._label(self.request_received).inc()
 
     def _label(self, metric: Any, **extra: str) -> Any:
         return metric.labels(model_name=self.model_name, **extra)
@@ -195,8 +249,10 @@ class PrometheusStatLogger:
         label = self._label
         if req.finish_reason in ("stop", "length"):
             label(self.request_success, finished_reason=req.finish_reason).inc()
+            label(self.request_process_success).inc()
         else:
             label(self.request_failure, reason=req.finish_reason).inc()
+            label(self.request_process_fail).inc()
         label(self.request_prompt_tokens).observe(req.num_prompt_tokens)
         label(self.request_generation_tokens).observe(req.num_generation_tokens)
         label(self.request_params_n).observe(req.n)
@@ -205,6 +261,8 @@ class PrometheusStatLogger:
         label(self.e2e_latency).observe(req.e2e_latency)
         label(self.queue_time).observe(req.queue_time)
         label(self.inference_time).observe(req.inference_time)
+        label(self.inference_compute).observe(req.inference_time)
+        label(self.request_max_num_generation_tokens).observe(req.max_num_generation_tokens)
         label(self.prefill_time).observe(req.prefill_time)
         label(self.decode_time).observe(req.decode_time)
         if req.num_generation_tokens > 1:
@@ -213,6 +271,7 @@ class PrometheusStatLogger:
     def record_rejected(self, reason: str) -> None:
         """A request the server refused before it reached the engine (bad input, draining, ...)."""
         self._label(self.request_failure, reason=reason).inc()
+        self._label(self.request_process_fail).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

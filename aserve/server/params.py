@@ -19,6 +19,7 @@ from aserve.server.protocol import (
     ChatLogprobEntry,
     ChatTopLogprob,
     CompletionLogprobs,
+    PromptTokensDetails,
     UsageInfo,
 )
 
@@ -103,11 +104,14 @@ def check_stream_options(req: Any) -> tuple[bool, bool]:
     return include, include and bool(opts.continuous_usage_stats)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+    """`cached_tokens` None: no `prompt_tokens_details` (the server runs without
+    --enable-prompt-tokens-details)."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=msgspec.UNSET if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

@@ -266,10 +266,15 @@ class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 # -- responses --------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET  # with --enable-prompt-tokens-details
 
 
 class ChatTopLogprob(Struct):

@@ -39,6 +39,11 @@ class ReplyJob(Protocol):
     @property
     def num_prompt_tokens(self) -> int: ...
 
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens found in the prefix cache; None without --enable-prompt-tokens-details."""
+        ...
+
 
 def reply_object(job: ReplyJob, kind: Callable[..., R], choices: list[Any], **fields: Any) -> R:
     """A `kind` response or chunk for `job`'s request (id, created, model, fingerprint filled in)."""
@@ -55,7 +60,7 @@ def reply_object(job: ReplyJob, kind: Callable[..., R], choices: list[Any], **fi
 def _chunk_usage(job: ReplyJob) -> UsageInfo | None | UnsetType:
     """A content chunk's `usage`: running totals with continuous_usage_stats, null with include_usage."""
     if job.continuous_usage:
-        return usage(job.num_prompt_tokens, job.num_completion_tokens)
+        return usage(job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens)
     if job.include_usage:
         return None
     return UNSET
@@ -70,7 +75,7 @@ def end_events(job: ReplyJob, kind: Callable[..., Any]) -> bytes:
     """The stream's last events: a usage-only `kind` chunk when include_usage is set, then [DONE]."""
     if not job.include_usage:
         return DONE
-    total = usage(job.num_prompt_tokens, job.num_completion_tokens)
+    total = usage(job.num_prompt_tokens, job.num_completion_tokens, job.num_cached_tokens)
     return event(encoder.encode(reply_object(job, kind, [], usage=total))) + DONE
 
 

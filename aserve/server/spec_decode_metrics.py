@@ -1,4 +1,4 @@
-"""Speculative decoding's Prometheus counters, vLLM's names under aserve's prefix, in the app's own
+"""Speculative decoding's Prometheus counters, vLLM's names under the server's metrics prefix, in the app's own
 registry (see `metrics.py`): `spec_decode_num_drafts` (requests that verified drafts, once per step),
 `spec_decode_num_draft_tokens` (drafts verified), `spec_decode_num_accepted_tokens` (drafts accepted)
 and `spec_decode_num_accepted_tokens_per_pos` (accepted at each draft position, label `position`).
@@ -13,11 +13,12 @@ from aserve.engine.stats import SpecDecodingStats
 
 
 class SpecDecodeMetrics:
-    def __init__(self, model_name: str, num_speculative_tokens: int, registry: CollectorRegistry):
+    def __init__(self, model_name: str, num_speculative_tokens: int, registry: CollectorRegistry,
+                 prefix: str = "vllm"):
         self.model_name = model_name
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"aserve:{name}", doc, ["model_name", *extra], registry=registry)
+            return Counter(f"{prefix}:{name}", doc, ["model_name", *extra], registry=registry)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Requests that verified drafts (once per step).")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")

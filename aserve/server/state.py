@@ -19,6 +19,8 @@ import anyio
 
 from aserve.config import AserveConfig, ModelConfig
 from aserve.config.pooling import PoolingConfig
+from aserve.engine.errors import EngineSleepingError
+from aserve.engine.tracing import extract_trace_headers
 from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
 from aserve.pooling_params import PoolingParams
@@ -103,6 +105,16 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool: ...
 
+    # sleep mode (aserve/server/sleep.py; AsyncEngine documents the contracts)
+    @property
+    def sleep_mode_enabled(self) -> bool: ...
+
+    def is_sleeping(self) -> bool: ...
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
     def check_guided_decoding(self, params: SamplingParams) -> None: ...
 
 
@@ -152,15 +164,19 @@ class ServerState:
             f"{version}|{model_config.model_path}|{model_config.dtype}".encode()
         ).hexdigest()
         spec = engine.config.speculative
+        metrics = PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len,
+                                       max_loras=engine.loras.max_loras if engine.loras.enabled else None,
+                                       num_speculative_tokens=spec.num_speculative_tokens if spec else None,
+                                       prefix=args.metrics_prefix)
+        kv = engine.get_scheduler_stats()
+        metrics.record_cache_config(engine.config.cache, kv.num_total_blocks, kv.num_cpu_blocks)
         return cls(
             engine=engine,
             args=args,
             model_config=model_config,
             tokenizer=tokenizer,
             renderer=ChatRenderer(tokenizer, template),
-            metrics=PrometheusStatLogger(model_config.served_model_name, model_config.max_model_len,
-                                         max_loras=engine.loras.max_loras if engine.loras.enabled else None,
-                                         num_speculative_tokens=spec.num_speculative_tokens if spec else None),
+            metrics=metrics,
             drain_rate=DrainRate(),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
@@ -218,13 +234,15 @@ class ServerState:
         client_id: str | None = None,
         lora_request: LoRARequest | None = None,
         admit: bool = True,
+        trace_headers: dict[str, str] | None = None,
     ) -> PromptStream:
         """Hand a request to the engine. Raises SamplingParamsError (naming the field in
         SamplingParams' terms: the handler maps it to a 400), a 429 APIError over an admission cap
         (checked here, with no await before the engine queues it, so concurrent requests cannot
         overshoot; `admit=False`: the caller checked a whole batch with `check_load` and queues it
         with no await in between), or a 503 APIError if the engine is down. `client_id` is a hash
-        of the API key. `prompt_token_ids` None: the engine tokenizes `prompt` (pooling only)."""
+        of the API key. `prompt_token_ids` None: the engine tokenizes `prompt` (pooling only).
+        `trace_headers` (`trace_headers_of(request)`) parent the request's OpenTelemetry span."""
         if not self.engine.is_healthy():
             raise APIError(503, "the engine is not running", code="engine_dead")
         if admit:
@@ -232,9 +250,12 @@ class ServerState:
             self.check_admission(prompt_token_ids, params)
         self.log_request(request_id, prompt, prompt_token_ids, params)
         try:
+            tracing = {"trace_headers": trace_headers} if trace_headers else {}  # engines without tracing too
             stream = self.engine.add_request(request_id, prompt, prompt_token_ids, params, priority, client_id,
-                                             lora_request)
+                                             lora_request, **tracing)
             return _RaisingOnError(stream)
+        except EngineSleepingError as exc:
+            raise APIError(503, str(exc), code="model_sleeping") from None
         except RuntimeError as exc:  # EngineDeadError, or the engine is shutting down
             raise APIError(
                 503, f"the engine cannot take requests: {exc}", code="engine_unavailable"
@@ -353,6 +374,11 @@ class ServerState:
 
 def get_state(request: Any) -> ServerState:
     return request.app.state.aserve
+
+
+def trace_headers_of(request: Any) -> dict[str, str] | None:
+    """The request's W3C trace headers (`traceparent`, `tracestate`), or None."""
+    return extract_trace_headers(request.headers)
 
 
 def client_id_of(request: Any) -> str | None:

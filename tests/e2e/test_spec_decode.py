@@ -208,9 +208,14 @@ def _text_llm(path: str, spec: bool, **kwargs) -> tuple[LLM, SpecTotals]:
     return _llm(path, spec, skip_tokenizer_init=False, **kwargs)
 
 
-def test_stop_strings_never_leak(tiny_llama_with_tokenizer):
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_stop_strings_never_leak(method, tiny_llama_with_tokenizer):
+    """Nothing after a stop string is kept: text, token ids, logprobs and the cumulative logprob are the
+    engine's without speculation (a draft model drafting for itself brings 4 tokens a step)."""
     base, _ = _text_llm(tiny_llama_with_tokenizer, spec=False)
-    spec, totals = _text_llm(tiny_llama_with_tokenizer, spec=True)
+    extra = {} if method == "ngram" else {"speculative_config": {"model": tiny_llama_with_tokenizer,
+                                                                 "num_speculative_tokens": 3}}
+    spec, totals = _text_llm(tiny_llama_with_tokenizer, spec=method == "ngram", **extra)
     plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     free = [o.outputs[0] for o in base.generate(TEXT_PROMPTS, plain, use_tqdm=False)]
     assert [o.outputs[0].text for o in spec.generate(TEXT_PROMPTS, plain, use_tqdm=False)] == [c.text for c in free]
@@ -220,12 +225,14 @@ def test_stop_strings_never_leak(tiny_llama_with_tokenizer):
         assert len(text) >= 12, text
         mid = len(text) // 2
         stop = text[mid:mid + 3]
-        params.append((stop, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])))
+        params.append((stop, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop], logprobs=0)))
     expected = base.generate(TEXT_PROMPTS, [p for _, p in params], use_tqdm=False)
     got = spec.generate(TEXT_PROMPTS, [p for _, p in params], use_tqdm=False)
     for (stop, _), e, g, c in zip(params, expected, got, free):
         out = g.outputs[0]
         assert out.text == e.outputs[0].text == c.text[:c.text.index(stop)]
+        assert out.token_ids == e.outputs[0].token_ids and len(out.logprobs) == len(out.token_ids)
+        assert out.cumulative_logprob == pytest.approx(e.outputs[0].cumulative_logprob, abs=1e-4)
         assert stop not in out.text
         assert out.finish_reason == "stop" and out.stop_reason == stop
     assert totals.num_drafts > 0

@@ -86,3 +86,25 @@ def test_smollm2_with_a_truncated_copy_as_draft(bundled_model_path, tmp_path):
     reference, _ = _run(bundled_model_path, None, prompts, **base)
     outs, totals = _run(bundled_model_path, str(tmp_path), prompts, **base)
     assert outs == reference and totals.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("draft_context", [48, 64])
+def test_requests_outgrowing_the_drafts_context(draft_context, tmp_path):
+    """A draft whose context ends before (or where) the target's does: generation goes on past it,
+    without drafts there, with the engine's outputs unchanged."""
+    stable = {**GREEDY_STABLE, "max_position_embeddings": 64}
+    save_tiny_hf(tmp_path / "target", "llama", seed=1234, perturb=False, tie_word_embeddings=True, **stable)
+    save_tiny_hf(tmp_path / "draft", "llama", seed=99, perturb=False, tie_word_embeddings=True, num_hidden_layers=1,
+                 **{**stable, "max_position_embeddings": draft_context})
+    prompts = [list(range(3, 40)), [5, 6, 7] * 10]
+    params = SamplingParams(temperature=0.0, max_tokens=27, ignore_eos=True, detokenize=False)
+    outs = []
+    for draft in (None, str(tmp_path / "draft")):
+        engine_args = {**BASE, "max_model_len": 64}
+        if draft is not None:
+            engine_args["speculative_config"] = {"model": draft, "num_speculative_tokens": 3}
+        llm = LLM(str(tmp_path / "target"), **engine_args)
+        result = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in result])
+    assert outs[0] == outs[1]
+    assert [len(t) for t, _ in outs[1]] == [27, 27]

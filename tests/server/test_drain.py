@@ -32,8 +32,8 @@ def _start(model: str) -> tuple[subprocess.Popen, str, list[str]]:
 def _accepted(url: str) -> int:
     """Requests the engine holds (running or waiting) plus those it already finished."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    held = re.findall(r"^aserve:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
-    done = re.findall(r"^aserve:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+    held = re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M)
+    done = re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)
     return int(sum(float(v) for v in held + done))
 
 

@@ -138,7 +138,7 @@ def test_score_and_rerank_order_equals_cos_sim(http, reference):
 
 def _metric(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
-        if line.startswith(f"aserve:{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if line.startswith(f"vllm:{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {name} {labels}")
 

@@ -86,9 +86,9 @@ def test_lora_modules_served_by_name(lora_model):
             _tokens(client, "nope")
         assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
         metrics = httpx.get(f"{address.url}/metrics").text
-        assert 'aserve:lora_count_total{lora_name="sql",model_name="base"} 2.0' in metrics
-        assert 'aserve:lora_time_e2e_requests_total{lora_name="chat",model_name="base"}' in metrics
-        assert 'aserve:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+        assert 'vllm:lora_count_total{lora_name="sql",model_name="base"} 2.0' in metrics
+        assert 'vllm:lora_time_e2e_requests_total{lora_name="chat",model_name="base"}' in metrics
+        assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
 
 
 def test_runtime_load_and_unload(lora_model, monkeypatch):

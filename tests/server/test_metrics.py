@@ -40,7 +40,7 @@ def test_prometheus_logger_records_everything():
     p = PrometheusStatLogger("m", 1024)
     m = (("model_name", "m"),)
     before = _samples(p)
-    assert before[("aserve:prompt_tokens_total", m)] == 0  # series exist before any request
+    assert before[("vllm:prompt_tokens_total", m)] == 0  # series exist before any request
     p.record(
         SchedulerStats(
             num_running_reqs=3,
@@ -62,23 +62,23 @@ def test_prometheus_logger_records_everything():
     # the scheduler's counters are per-step deltas: each record adds its own
     p.record(SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=5), IterationStats())
     s = _samples(p)
-    assert s[("aserve:num_requests_running", m)] == 0  # the latest snapshot
-    assert s[("aserve:prefix_cache_queries_total", m)] == 150
-    assert s[("aserve:prefix_cache_hits_total", m)] == 45
-    assert s[("aserve:num_preemptions_total", m)] == 2
-    assert s[("aserve:prompt_tokens_total", m)] == 10
-    assert s[("aserve:generation_tokens_total", m)] == 4
-    assert s[("aserve:request_success_total", (("finished_reason", "stop"), ("model_name", "m")))] == 1
-    assert s[("aserve:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
-    assert s[("aserve:request_failure_total", (("model_name", "m"), ("reason", "abort")))] == 1
-    assert s[("aserve:time_to_first_token_seconds_count", m)] == 2
-    assert s[("aserve:inter_token_latency_seconds_count", m)] == 3
-    assert s[("aserve:time_per_output_token_seconds_count", m)] == 3
-    assert s[("aserve:e2e_request_latency_seconds_count", m)] == 3
-    assert s[("aserve:request_prompt_tokens_sum", m)] == 15
-    assert s[("aserve:request_generation_tokens_sum", m)] == 9
-    assert s[("aserve:request_params_n_sum", m)] == 6
-    assert s[("aserve:request_params_max_tokens_sum", m)] == 48
+    assert s[("vllm:num_requests_running", m)] == 0  # the latest snapshot
+    assert s[("vllm:prefix_cache_queries_total", m)] == 150
+    assert s[("vllm:prefix_cache_hits_total", m)] == 45
+    assert s[("vllm:num_preemptions_total", m)] == 2
+    assert s[("vllm:prompt_tokens_total", m)] == 10
+    assert s[("vllm:generation_tokens_total", m)] == 4
+    assert s[("vllm:request_success_total", (("finished_reason", "stop"), ("model_name", "m")))] == 1
+    assert s[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 1
+    assert s[("vllm:request_failure_total", (("model_name", "m"), ("reason", "abort")))] == 1
+    assert s[("vllm:time_to_first_token_seconds_count", m)] == 2
+    assert s[("vllm:inter_token_latency_seconds_count", m)] == 3
+    assert s[("vllm:time_per_output_token_seconds_count", m)] == 3
+    assert s[("vllm:e2e_request_latency_seconds_count", m)] == 3
+    assert s[("vllm:request_prompt_tokens_sum", m)] == 15
+    assert s[("vllm:request_generation_tokens_sum", m)] == 9
+    assert s[("vllm:request_params_n_sum", m)] == 6
+    assert s[("vllm:request_params_max_tokens_sum", m)] == 48
     for name in (
         "request_queue_time_seconds",
         "request_inference_time_seconds",
@@ -86,14 +86,14 @@ def test_prometheus_logger_records_everything():
         "request_decode_time_seconds",
         "request_time_per_output_token_seconds",
     ):
-        assert s[(f"aserve:{name}_count", m)] == 3, name
+        assert s[(f"vllm:{name}_count", m)] == 3, name
     p.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.5), IterationStats())
     s = _samples(p)
-    assert s[("aserve:num_requests_running", m)] == 3
-    assert s[("aserve:gpu_cache_usage_perc", m)] == 0.5 == s[("aserve:kv_cache_usage_perc", m)]
+    assert s[("vllm:num_requests_running", m)] == 3
+    assert s[("vllm:gpu_cache_usage_perc", m)] == 0.5 == s[("vllm:kv_cache_usage_perc", m)]
     p.record_rejected("invalid_request")
     assert (
-        _samples(p)[("aserve:request_failure_total", (("model_name", "m"), ("reason", "invalid_request")))]
+        _samples(p)[("vllm:request_failure_total", (("model_name", "m"), ("reason", "invalid_request")))]
         == 1
     )
 
@@ -101,7 +101,7 @@ def test_prometheus_logger_records_everything():
 def test_registries_are_per_instance():
     a, b = PrometheusStatLogger("a", 64), PrometheusStatLogger("b", 64)
     a.record(SchedulerStats(), IterationStats(num_generation_tokens=7))
-    assert _samples(b)[("aserve:generation_tokens_total", (("model_name", "b"),))] == 0
+    assert _samples(b)[("vllm:generation_tokens_total", (("model_name", "b"),))] == 0
 
 
 def test_logging_stat_logger_line():

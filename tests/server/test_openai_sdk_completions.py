@@ -140,39 +140,39 @@ def test_metrics_counters_move(client, server):
         )
         http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
         after = _metrics(http)
-    key = "aserve:request_success_total{finished_reason=length}"
+    key = "vllm:request_success_total{finished_reason=length}"
     assert after[key] - before.get(key, 0) == 4
-    assert after["aserve:generation_tokens_total"] - before["aserve:generation_tokens_total"] == 14
-    assert after["aserve:prompt_tokens_total"] > before["aserve:prompt_tokens_total"]
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 14
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert (
-        after["aserve:e2e_request_latency_seconds_count"] - before["aserve:e2e_request_latency_seconds_count"]
+        after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"]
         == 4
     )
     assert (
-        after["aserve:request_generation_tokens_sum"] - before["aserve:request_generation_tokens_sum"] == 14
+        after["vllm:request_generation_tokens_sum"] - before["vllm:request_generation_tokens_sum"] == 14
     )
     assert (
-        after["aserve:time_to_first_token_seconds_count"] > before["aserve:time_to_first_token_seconds_count"]
+        after["vllm:time_to_first_token_seconds_count"] > before["vllm:time_to_first_token_seconds_count"]
     )
-    assert after["aserve:request_failure_total{reason=invalid_request}"] >= 1
+    assert after["vllm:request_failure_total{reason=invalid_request}"] >= 1
     for name in (
-        "aserve:num_requests_running",
-        "aserve:num_requests_waiting",
-        "aserve:num_requests_swapped",
-        "aserve:gpu_cache_usage_perc",
-        "aserve:kv_cache_usage_perc",
-        "aserve:prefix_cache_queries_total",
-        "aserve:prefix_cache_hits_total",
-        "aserve:num_preemptions_total",
-        "aserve:request_params_n_count",
-        "aserve:request_params_max_tokens_count",
-        "aserve:inter_token_latency_seconds_count",
-        "aserve:time_per_output_token_seconds_count",
-        "aserve:request_queue_time_seconds_count",
-        "aserve:request_inference_time_seconds_count",
-        "aserve:request_prefill_time_seconds_count",
-        "aserve:request_decode_time_seconds_count",
-        "aserve:request_prompt_tokens_count",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_swapped",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:request_params_n_count",
+        "vllm:request_params_max_tokens_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_inference_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_prompt_tokens_count",
     ):
         assert name in after, name
 

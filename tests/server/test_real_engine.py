@@ -177,9 +177,9 @@ def test_metrics_move_with_real_engine(client, real):
     def value(text: str, name: str) -> float:
         return sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
 
-    assert value(after, "aserve:request_success_total") == value(before, "aserve:request_success_total") + 1
+    assert value(after, "vllm:request_success_total") == value(before, "vllm:request_success_total") + 1
     assert (
-        value(after, "aserve:generation_tokens_total") >= value(before, "aserve:generation_tokens_total") + 3
+        value(after, "vllm:generation_tokens_total") >= value(before, "vllm:generation_tokens_total") + 3
     )
 
 

@@ -64,7 +64,7 @@ def test_busy_cache_is_a_409_in_openai_format(live, observed):
 
 def _metric(http: httpx.Client, name: str) -> float:
     text = http.get("/metrics").text
-    return sum(float(v) for v in re.findall(rf"^aserve:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
 def test_real_engine_forgets_cached_prefixes(live):

@@ -35,7 +35,7 @@ def _stream(url: str) -> tuple[str, list[str], str]:
 
 
 def _counter(metrics: str, name: str) -> float:
-    match = re.search(rf"^aserve:{name}_total{{[^}}]*}} ([0-9.e+]+)$", metrics, re.M)
+    match = re.search(rf"^vllm:{name}_total{{[^}}]*}} ([0-9.e+]+)$", metrics, re.M)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 

@@ -88,6 +88,11 @@ class CausalLM(nn.Module):
         for attn, cache in zip(layers, kv_caches, strict=True):
             attn.bind_kv_cache(cache)
 
+    def unbind_kv_caches(self) -> None:
+        """Forgets every layer's cache tensor (sleep mode frees them); forward raises until bound again."""
+        for attn in self.attention_layers:
+            attn.kv_cache = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | DecodeInputs) -> torch.Tensor:
         if isinstance(meta, AttentionMetadata):

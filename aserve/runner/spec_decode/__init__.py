@@ -29,6 +29,7 @@ def make_proposer(config: AserveConfig, backend: Any, device: Any):
 
 
 def make_typical_acceptance(spec: SpeculativeConfig | None) -> TypicalAcceptance | None:
+    """The typical-acceptance rule when configured, else None (exact rejection sampling)."""
     if spec is None or spec.acceptance_method != "typical_acceptance_sampler":
         return None
     return TypicalAcceptance(spec.posterior_threshold, spec.posterior_alpha)

@@ -6,6 +6,9 @@ import torch
 
 
 class Proposer:
+    """A draft proposer as the runner drives it: sized and allocated with the KV cache, run after each
+    forward pass (`catch_up`), asked for drafts after sampling (`propose`)."""
+
     kv_caches: list[torch.Tensor] = []  # a draft model's KV cache (target block layout), else none
     cpu_kv_caches: list[torch.Tensor] = []
 

@@ -8,6 +8,10 @@ always holds every position the target computed (rejected drafts' positions are 
 the target's are); then, for the requests that sampled, k greedy decode passes starting at the newest
 token propose the drafts. Those passes write draft K/V up to k - 1 positions past the newest token:
 the scheduler reserves `num_lookahead_slots` (= k) slots past every step's tokens for them.
+
+The draft's context (`max_position_embeddings`) may be shorter than the target's: catch-up rows past
+it write nowhere and use clamped positions (their outputs are never used), and a request gets drafts
+only while all of them fit in both contexts (`SpeculativeConfig.max_model_len` trims the same way).
 """
 
 from __future__ import annotations
@@ -36,9 +40,13 @@ def draft_model_config(config: AserveConfig) -> AserveConfig:
 
 
 class DraftModelProposer(Proposer):
+    """The draft model, its KV cache and its greedy proposals (see the module docstring)."""
+
     def __init__(self, config: AserveConfig, backend, device: torch.device):
         self.config = draft_model_config(config)
         self.k = config.speculative.num_speculative_tokens
+        # Positions a proposal may reach: the draft's context and the target's max_model_len.
+        self.max_len = min(self.config.model.arch.max_position_embeddings, config.model.max_model_len)
         self.device = device
         self.block_size = config.cache.block_size
         self.model = load_model(self.config, backend, device)
@@ -63,11 +71,22 @@ class DraftModelProposer(Proposer):
         self.model.bind_kv_caches(self.kv_caches)
 
     def catch_up(self, inputs: ModelInputs) -> None:
-        """Runs the draft over the step's inputs (its K/V for every position the target computed)."""
-        self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        """Runs the draft over the step's inputs (its K/V for every position the target computed that
+        lies inside its context)."""
+        positions, meta = inputs.positions, inputs.meta
+        limit = self.config.model.arch.max_position_embeddings
+        if meta.max_seq_len > limit:  # rows past the draft's context: no K/V written, positions clamped
+            outside = positions >= limit
+            meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping.masked_fill(outside, -1))
+            positions = positions.clamp(max=limit - 1)
+        self.model(inputs.input_ids, positions, meta)
 
     def propose(self, req_ids: list[str], states: dict[str, CachedRequestState], inputs=None) -> dict[str, list[int]]:
-        """k greedy draft tokens for each request (its newest token is the first input)."""
+        """k greedy draft tokens for each request (its newest token is the first input) whose proposal
+        positions stay inside both contexts; the others get none."""
+        req_ids = [r for r in req_ids if states[r].num_tokens - 1 + self.k <= self.max_len]
+        if not req_ids:
+            return {}
         seqs = [states[r] for r in req_ids]
         tokens = [s.token_ids[-1] for s in seqs]
         positions = np.fromiter((s.num_tokens - 1 for s in seqs), dtype=np.int64, count=len(seqs))
