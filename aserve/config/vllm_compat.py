@@ -105,7 +105,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "model_loader_extra_config": _todo("json", None, "extra options of the model loader"),
     "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
     "logits_processor_pattern": _todo("str", None, "naming logits processors by qualified name in requests"),
-    "middleware": _todo("list", None, "ASGI middleware by dotted path", server=True),
     # -- owned by other issues ----------------------------------------------------------------------
     # -- speculative decoding's older flags: each sets one key of --speculative-config ----------------
     **{name: CompatArg("spec", tp, default, f"deprecated: use --speculative-config's {key!r} key", target=key)

@@ -2,8 +2,9 @@
 
 The routes are listed once (`_operations`); the starlette routes, `/openapi.json` and `/docs` are all
 built from that list. As in vLLM, the API key guards /v1/*; unlike vLLM, also /reset_prefix_cache
-and sleep mode's /sleep, /wake_up, /is_sleeping (they change server state) and the pooling routes
-outside /v1 (/score, /rerank, /v2/rerank, /classify: they run the model); /health, /ping, /load,
+and sleep mode's /sleep, /wake_up, /is_sleeping (they change server state), the pooling routes
+outside /v1 (/score, /rerank, /v2/rerank, /classify: they run the model) and /dashboard,
+/dashboard/data (the page may carry the key as `?key=`: a browser cannot set the header); /health, /ping, /load,
 /metrics, /version, /tokenize, /detokenize, /openapi.json and /docs stay open.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from typing import Any
+from urllib.parse import parse_qs
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,7 +25,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from aserve.server import admin, chat, completions, embeddings, lora, misc, scoring
+from aserve.server import admin, chat, completions, dashboard, embeddings, lora, misc, scoring
 from aserve.server import pooling_protocol as pp
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
@@ -32,6 +35,7 @@ from aserve.server.metrics import CONTENT_TYPE
 from aserve.server.openapi import Operation, docs_page, openapi_document
 from aserve.server.sse import ClientDisconnected
 from aserve.server.state import EngineClient, ServerState
+from aserve.server.user_middleware import load_middleware
 
 logger = logging.getLogger("aserve.server")
 
@@ -42,7 +46,7 @@ _RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 _ENGINE_PATHS = frozenset(_GENERATION_PATHS + ("/v1/embeddings", "/classify") + _SCORE_PATHS + _RERANK_PATHS)
 # outside /v1, yet guarded by the API key: a change of server state, and routes that run the model
 _KEYED_PATHS = frozenset({"/reset_prefix_cache", "/score", "/rerank", "/v2/rerank", "/classify",
-                          "/sleep", "/wake_up", "/is_sleeping"})
+                          "/sleep", "/wake_up", "/is_sleeping", "/dashboard", "/dashboard/data"})
 
 
 def requires_api_key(path: str) -> bool:
@@ -98,6 +102,9 @@ class GateMiddleware:
                 if name == b"authorization":
                     given = value
                     break
+            if not given and _route_path(scope) == "/dashboard":  # the page, opened in a browser
+                key = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+                given = f"Bearer {key[0]}".encode() if key else b""
             matched = [client for expected, client in self._expected if hmac.compare_digest(given, expected)]
             if not matched:
                 await APIError(
@@ -249,6 +256,12 @@ def _operations(runtime_lora_updates: bool = False) -> list[Operation]:
         Operation("GET", "/ping", admin.ping, "The same as /health (vLLM API)"),
         Operation("POST", "/ping", admin.ping, "The same as /health (vLLM API)"),
         Operation("GET", "/load", admin.load, "Requests in the engine now (vLLM API)", response=dict[str, int]),
+        Operation("GET", "/dashboard", dashboard.dashboard_page,
+                  "A live status page (polls /dashboard/data); with an API key set, open it as /dashboard?key=KEY",
+                  text_response="text/html"),
+        Operation("GET", "/dashboard/data", dashboard.dashboard_data,
+                  "The dashboard's data: KV blocks, queues, totals, latency percentiles, recent series, "
+                  "in-flight requests", response=dict[str, Any]),
     ]
 
 
@@ -258,6 +271,8 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
     state = ServerState.create(engine, args)
     engine.add_stat_logger(state.metrics)
     engine.add_stat_logger(state.drain_rate)
+    dashboard_stats = dashboard.DashboardStats()
+    engine.add_stat_logger(dashboard_stats)
     operations = _operations(runtime_lora_updates=state.lora_enabled and lora.runtime_updates_allowed())
     doc = openapi_document(
         operations,
@@ -290,6 +305,7 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
             allow_credentials=args.allow_credentials,
         ),
         Middleware(GateMiddleware, state=state),
+        *load_middleware(args.middleware),
     ]
     app = Starlette(
         routes=routes,
@@ -302,4 +318,5 @@ def create_app(engine: EngineClient, server_args: ServerArgs | None = None) -> S
         },
     )
     app.state.aserve = state
+    app.state.dashboard = dashboard_stats
     return app

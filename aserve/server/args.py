@@ -19,6 +19,7 @@ from typing import Any
 
 from aserve.config import BUNDLED_MODEL_NAME, EngineArgs
 from aserve.server.lora_modules import LoRAModule, parse_lora_modules
+from aserve.server.user_middleware import load_middleware
 from aserve.config.engine_args import LOAD_FORMATS
 from aserve.config.resolve import _DEFAULT_TOKEN_BUDGET
 from aserve.config.vllm_compat import add_compat_arguments, apply_compat
@@ -205,6 +206,7 @@ class ServerArgs:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens in replies
 
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters loaded before serving (aserve/server/lora.py)
+    middleware: tuple[str, ...] = ()  # ASGI middleware by dotted path, in order (aserve/server/user_middleware.py)
 
     # tool calling and reasoning (issue 12)
     enable_auto_tool_choice: bool = False
@@ -311,6 +313,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (also env ASERVE_API_KEY or VLLM_API_KEY); "
         "give it several times to accept several keys, which then share the batch fairly",
     )
+    g.add_argument("--middleware", action="append", default=None,
+                   help="dotted path of an ASGI middleware class or an 'async def f(request, call_next)' "
+                   "function, applied in the order given (repeat the flag for several)")
     g.add_argument(
         "--chat-template",
         default=None,
@@ -491,6 +496,7 @@ def split_namespace(
         server_values["api_key"] = environ.get("ASERVE_API_KEY") or environ.get("VLLM_API_KEY") or None
     for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
         server_values[name] = tuple(server_values[name])
+    server_values["middleware"] = tuple(server_values.get("middleware") or ())
     server_values["lora_modules"] = parse_lora_modules(server_values.get("lora_modules"))
     if server_values["lora_modules"] and not engine_args.enable_lora:
         raise ValueError("--lora-modules: needs --enable-lora")
@@ -557,6 +563,7 @@ def validate_server_args(args: ServerArgs) -> None:
         raise ValueError("--enable-reasoning needs --reasoning-parser (deepseek_r1 or qwen3)")
     if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSER_NAMES:
         raise ValueError(f"--reasoning-parser: must be one of {REASONING_PARSER_NAMES}, got {args.reasoning_parser!r}")
+    load_middleware(args.middleware)  # importable and of a usable kind, before the model loads
 
 
 def parse_args(

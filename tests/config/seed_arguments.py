@@ -89,7 +89,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--max-prompt-adapter-token": {"seeds": "002 003", "status": "refused", "message": "prompt adapters were removed from vLLM"},
     "--max-prompt-adapters": {"seeds": "002 003", "status": "refused", "message": "prompt adapters were removed from vLLM"},
     "--max-seq-len-to-capture": {"seeds": "001 002 003 004", "status": "implemented", "test": "tests/runner/test_cuda_paths.py::test_profile_step_runs_and_keeps_the_bound_cache"},
-    "--middleware": {"seeds": "001", "status": "refused", "message": "not implemented yet"},
+    "--middleware": {"seeds": "001", "status": "implemented", "test": "tests/server/test_user_middleware.py::test_middleware_runs_in_order_on_a_live_server"},
     "--mm-processor-kwargs": {"seeds": "002 003", "status": "refused", "message": "aserve serves text-only models"},
     "--model": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/model/test_model_source.py::test_bad_local_paths_raise_model_source_error"},
     "--model-impl": {"seeds": "003", "status": "implemented", "test": "tests/model/test_transformers_backend.py::test_random_schedules_match_transformers"},

@@ -21,7 +21,7 @@ SEEDS = sorted(glob.glob(os.path.join(ROOT, "..", "shared", "seeds", "00[0-4]_*.
 _SERVER_ONLY = {"allow_credentials", "allowed_headers", "allowed_methods", "allowed_origins", "api_key",
                 "chat_template", "disable_log_requests", "host", "max_log_len", "port", "response_role",
                 "root_path", "ssl_ca_certs", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile", "uvicorn_log_level",
-                "enable_reasoning", "reasoning_parser", "help", "no_enable_prefix_caching", "lora_modules",
+                "enable_reasoning", "reasoning_parser", "help", "no_enable_prefix_caching", "lora_modules", "middleware",
                 *(n for n, a in COMPAT_ARGS.items() if a.server)}
 
 
