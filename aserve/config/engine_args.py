@@ -138,6 +138,8 @@ class EngineArgs:
     # the Hub revision of a model's remote code: aserve runs no remote code (refused with --trust-remote-code)
     code_revision: str | None = None
     kv_cache_memory_bytes: int | None = None  # the KV cache's size in bytes (beats the fraction-based sizing)
+    # a regex: requests may name logits processors whose qualified name matches it (aserve/server/logits_processors.py)
+    logits_processor_pattern: str | None = None
     # Multi-LoRA serving (aserve/config/lora.py)
     enable_lora: bool = False
     enable_lora_bias: bool = False
@@ -272,6 +274,11 @@ class EngineArgs:
     def _validate_combinations(self) -> None:
         """Combinations of values the user gave; those involving the model's context length are
         checked again in resolve_config once the model's default is known."""
+        if self.logits_processor_pattern is not None:
+            try:
+                re.compile(self.logits_processor_pattern)
+            except re.error as e:
+                raise ConfigError(f"--logits-processor-pattern: not a regular expression: {e}") from None
         if self.enable_chunked_prefill is False and self.max_num_batched_tokens is not None:
             require(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
                     f"({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})")

@@ -43,6 +43,7 @@ class ModelConfig:
     # --override-generation-config: generation_config.json keys over the sampling defaults
     override_generation_config: dict[str, Any] | None = None
     hf_config_path: str | None = None  # the folder config.json was read from (--hf-config-path; None: model_path)
+    logits_processor_pattern: str | None = None  # requests may name logits processors matching it (None: none)
 
     @property
     def served_model_name(self) -> str:

@@ -104,7 +104,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "tokenizer_pool_extra_config": _todo("json", None, "the tokenizer pool's extra config"),
     "model_loader_extra_config": _todo("json", None, "extra options of the model loader"),
     "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
-    "logits_processor_pattern": _todo("str", None, "naming logits processors by qualified name in requests"),
     # -- owned by other issues ----------------------------------------------------------------------
     # -- speculative decoding's older flags: each sets one key of --speculative-config ----------------
     **{name: CompatArg("spec", tp, default, f"deprecated: use --speculative-config's {key!r} key", target=key)

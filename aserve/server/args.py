@@ -99,6 +99,8 @@ _ENGINE_HELP = {
     "ignore_patterns": "weight files to skip (fnmatch globs inside the model folder; also not downloaded)",
     "code_revision": "Hub revision of the model's remote code (refused with --trust-remote-code)",
     "kv_cache_memory_bytes": "KV-cache size in bytes (beats the --gpu-memory-utilization sizing)",
+    "logits_processor_pattern": "a regex: requests may name logits processors (qualified names matching it) in "
+                                "logits_processors; none by default",
     "enable_lora": "serve LoRA adapters (--lora-modules, or loaded at run time)",
     "enable_lora_bias": "accept adapters whose lora_B has a bias",
     "max_loras": "the most adapters active in one batch (more wait for a free slot)",

@@ -194,7 +194,7 @@ async def create_chat_completion(request: Request) -> Response:
         guided = _guided_decoding(req, plan, prompt, state)
         params = build_sampling_params(
             req, max_tokens=requested, logprobs=top_logprobs, stream=stream, defaults=defaults,
-            guided_decoding=guided,
+            guided_decoding=guided, logits_processor_pattern=state.model_config.logits_processor_pattern,
         )
         await state.run_blocking(state.check_guided_decoding, params)  # compiles off the event loop
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

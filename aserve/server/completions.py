@@ -163,6 +163,7 @@ async def create_completion(request: Request) -> Response:
             prompt_logprobs=prompt_logprobs,
             defaults=state.generation_defaults,
             guided_decoding=guided,
+            logits_processor_pattern=state.model_config.logits_processor_pattern,
         )
         await state.run_blocking(state.check_guided_decoding, params)  # compiles off the event loop
 

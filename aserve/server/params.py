@@ -15,6 +15,7 @@ from aserve.outputs import Logprob
 from aserve.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from aserve.structured_outputs.params import GuidedDecodingParams
 from aserve.server.errors import bad_request
+from aserve.server.logits_processors import resolve_logits_processors
 from aserve.server.protocol import (
     ChatLogprobEntry,
     ChatTopLogprob,
@@ -49,6 +50,7 @@ def build_sampling_params(
     prompt_logprobs: int | None = None,
     defaults: dict[str, Any] | None = None,
     guided_decoding: GuidedDecodingParams | None = None,
+    logits_processor_pattern: str | None = None,
 ) -> SamplingParams:
     """SamplingParams from a chat/completions request. Raises SamplingParamsError naming the field
     (the caller maps it to the request's field names).
@@ -90,6 +92,7 @@ def build_sampling_params(
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         guided_decoding=guided_decoding,
+        logits_processors=resolve_logits_processors(req.logits_processors, logits_processor_pattern),
     )
 
 

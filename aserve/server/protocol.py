@@ -191,6 +191,8 @@ class _SamplingFields(Struct, kw_only=True, forbid_unknown_fields=True):
     guided_decoding_backend: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # qualified names (or {"qualname", "args", "kwargs"}) matching --logits-processor-pattern
+    logits_processors: list[str | dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):

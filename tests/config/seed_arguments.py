@@ -67,7 +67,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--kv-transfer-config": {"seeds": "003", "status": "refused", "message": "disaggregated prefill"},
     "--limit-mm-per-prompt": {"seeds": "002 003", "status": "refused", "message": "aserve serves text-only models"},
     "--load-format": {"seeds": "000 001 003", "status": "implemented", "test": "tests/model/test_loader.py::test_dummy_weights_are_seeded_and_need_no_files"},
-    "--logits-processor-pattern": {"seeds": "003", "status": "refused", "message": "not implemented yet"},
+    "--logits-processor-pattern": {"seeds": "003", "status": "implemented", "test": "tests/server/test_logits_processor_pattern.py::test_named_processors_apply_and_others_are_refused"},
     "--long-lora-scaling-factors": {"seeds": "001 002 003", "status": "refused", "message": "LongLoRA adapters"},
     "--long-prefill-token-threshold": {"seeds": "003", "status": "implemented", "test": "tests/core/test_prefill_limits.py::test_capped_chunks_and_partial_prefills_keep_short_prompts_moving"},
     "--lora-dtype": {"seeds": "001 002 003", "status": "implemented", "test": "tests/config/test_lora_args.py::test_lora_flags_parse_and_resolve"},
