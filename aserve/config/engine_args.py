@@ -32,7 +32,7 @@ from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
 from aserve.config.schema import AserveConfig, StructuredOutputsConfig
 from aserve.config.speculative import validate_speculative_args
 
-LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf")
+LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf", "npcache")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")

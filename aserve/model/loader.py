@@ -108,6 +108,10 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
                         len(assign.linear_layers(model)))
         if load_format == "dummy":
             init_dummy_weights(model, config.model.seed)
+        elif load_format == "npcache":
+            from aserve.model.npcache import npcache_weights
+
+            model.load_weights(npcache_weights(config.model.model_path, config.load.ignore_patterns))
         else:
             model.load_weights(iterate_weights(config.model.model_path, load_format,
                                                ignore_patterns=config.load.ignore_patterns))
@@ -224,6 +228,8 @@ def weight_files(model_path: str, load_format: str,
             raise WeightsNotFoundError(f"--ignore-patterns {list(ignore_patterns)}: every weight file of "
                                        f"{model_path} matches ({[os.path.basename(f) for f in files]})")
         return kind, kept
+    if load_format == "npcache":  # its source files are found as auto's
+        load_format = "auto"
     if load_format in ("auto", "safetensors", "gguf"):
         files = _select_files(model_path, ["*.safetensors"], "model.safetensors.index.json")
         if files:

@@ -73,7 +73,8 @@ _ENGINE_HELP = {
     "trust_remote_code": "accept models whose config asks for remote code (aserve runs none: it uses its native "
                          "classes or the Transformers backend)",
     "download_dir": "where Hub downloads go",
-    "load_format": f"weight file format: {', '.join(LOAD_FORMATS)} (dummy: random weights)",
+    "load_format": f"weight file format: {', '.join(LOAD_FORMATS)} (dummy: random weights; npcache: numpy copies "
+                   "cached on the first load and memory-mapped afterwards)",
     "seed": "random seed of sampling",
     "swap_space": "CPU swap space per GPU in GiB (used by --preemption-mode swap)",
     "cpu_offload_gb": "GiB of weights offloaded to CPU (only 0 is implemented)",

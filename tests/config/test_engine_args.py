@@ -12,7 +12,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(block_size=12), "--block-size"),
     (dict(dtype="int8"), "--dtype"),
-    (dict(load_format="npcache"), "--load-format"),
+    (dict(load_format="tensorizer"), "--load-format"),
     (dict(kv_cache_dtype="int4"), "--kv-cache-dtype"),
     (dict(scheduling_policy="lifo"), "--scheduling-policy"),
     (dict(preemption_mode="drop"), "--preemption-mode"),
