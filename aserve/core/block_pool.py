@@ -6,7 +6,8 @@ handed out nor freed, so `num_free_blocks + num_used_blocks == num_blocks - 1`.
 Eviction order: `allocate` takes blocks from the head of the free queue. A freed block without a
 hash goes to the head (nothing is lost by reusing it); a freed cached block goes to the tail and
 stays findable by hash until it is reallocated (LRU). Touching a cached free block takes it out of
-the queue in O(1) (the queue is an OrderedDict).
+the queue in O(1) (the queue is an OrderedDict). `num_cached_free_blocks` (free blocks still holding a
+cached prefix) is kept as a running count, O(1) to read.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BlockPool:
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self._num_cached_free = 0  # free blocks that still carry a hash
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -49,6 +51,12 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (reusable by a hit until evicted); a part of
+        `num_free_blocks`."""
+        return self._num_cached_free
 
     def ref_cnt(self, block_id: int) -> int:
         return self._ref_cnts[block_id]
@@ -81,6 +89,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block_id, _ = free.popitem(last=False)
             if hashes[block_id] is not None:
+                self._num_cached_free -= 1
                 self._evict(block_id)
             ref_cnts[block_id] = 1
             out.append(block_id)
@@ -92,6 +101,8 @@ class BlockPool:
         for block_id in block_ids:
             if ref_cnts[block_id] == 0:
                 del self._free[block_id]
+                if self._hashes[block_id] is not None:
+                    self._num_cached_free -= 1
             ref_cnts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -114,6 +125,8 @@ class BlockPool:
                 elif not self.enable_caching:
                     self._evict(block_id)
                     free.move_to_end(block_id, last=False)
+                else:
+                    self._num_cached_free += 1
 
     def cache_full_block(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
         """Registers a full block under `block_hash`; False (nothing changes) when the block already
@@ -131,6 +144,7 @@ class BlockPool:
         if self._hashes[block_id] is not None:
             self._evict(block_id)
             if block_id in self._free:
+                self._num_cached_free -= 1
                 self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> bool:
@@ -141,6 +155,7 @@ class BlockPool:
             self._hashes[block_id] = None
             self._tokens[block_id] = None
         self._cached.clear()
+        self._num_cached_free = 0
         return True
 
     def _evict(self, block_id: int) -> None:

@@ -56,6 +56,11 @@ class KVCacheManager:
         return self.pool.num_used_blocks
 
     @property
+    def num_cached_free_blocks(self) -> int:
+        """Free device blocks still holding a cached prefix (counted in `num_free_blocks`)."""
+        return self.pool.num_cached_free_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of the usable device blocks in use, 0..1."""
         return self.pool.num_used_blocks / self.pool.num_usable_blocks

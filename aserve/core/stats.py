@@ -19,6 +19,7 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of usable KV blocks in use, 0..1
     num_used_blocks: int = 0
     num_total_blocks: int = 0
+    num_cached_free_blocks: int = 0  # free blocks still holding a cached prefix (part of the free ones)
     num_cpu_blocks: int = 0  # host blocks for swapping (--preemption-mode swap)
     num_tokens_in_used_blocks: int = 0  # computed tokens held by the running requests' blocks
     running_lora_adapters: list[str] = field(default_factory=list)  # adapter names of running requests
@@ -28,6 +29,20 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0  # running requests preempted
     spec_decoding: SpecDecodingStats | None = None  # with speculative decoding on
+
+
+@dataclass(frozen=True)
+class InflightRequest:
+    """One unfinished engine request (a sample of an n > 1 request is its own) for status pages:
+    ids and counts only, never prompt text. `state`: waiting | running | preempted | swapped;
+    `arrival_time`: wall clock (time.time()) seconds."""
+
+    request_id: str
+    state: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    arrival_time: float
 
 
 @dataclass

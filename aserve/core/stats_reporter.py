@@ -33,6 +33,7 @@ class StatsReporter:
             kv_cache_usage=kv.usage,
             num_used_blocks=kv.num_used_blocks,
             num_total_blocks=kv.num_total_blocks,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
             num_cpu_blocks=kv.num_cpu_blocks,
             num_tokens_in_used_blocks=num_tokens,
             running_lora_adapters=adapter_names(running),

@@ -22,7 +22,7 @@ import anyio
 
 from aserve.config import EngineArgs
 from aserve.core.batch import SLEEP_TAGS, SchedulerOutput
-from aserve.core.stats import SchedulerStats
+from aserve.core.stats import InflightRequest, SchedulerStats
 from aserve.engine.builder import ExecutorFactory
 from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.errors import EngineBusyError, EngineSleepingError
@@ -149,6 +149,10 @@ class AsyncEngine:
     def get_scheduler_stats(self) -> SchedulerStats:
         """A live view of the scheduler (gauges now); does not consume the per-step counters."""
         return self.engine.core.current_stats()
+
+    def inflight_requests(self) -> list[InflightRequest]:
+        """The unfinished requests now (ids, state, token counts, arrival time; no prompt text)."""
+        return self.engine.core.inflight_requests()
 
     def check_guided_decoding(self, params: SamplingParams) -> None:
         """Blocking (call it off the event loop): SamplingParamsError naming the field unless the

@@ -19,7 +19,7 @@ from aserve.config import AserveConfig, ConfigError, KVCacheInfo
 from aserve.core.batch import EngineCoreOutput, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
-from aserve.core.stats import SchedulerStats
+from aserve.core.stats import InflightRequest, SchedulerStats
 from aserve.executor.base import Executor
 from aserve.lora.request import LoRARequest
 
@@ -104,6 +104,12 @@ class EngineCore:
     def current_stats(self) -> SchedulerStats:
         """A live view (gauges now) that does not consume the per-step counters."""
         return self.scheduler.make_stats(consume=False)
+
+    def inflight_requests(self) -> list[InflightRequest]:
+        """Every unfinished request in arrival order (O(requests)); plain data, no prompt text."""
+        reqs = sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time)
+        return [InflightRequest(r.request_id, r.status.name.lower(), r.num_prompt_tokens, r.num_output_tokens,
+                                r.num_computed_tokens, r.arrival_time) for r in reqs]
 
     # -- the step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

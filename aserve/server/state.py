@@ -103,6 +103,8 @@ class EngineClient(Protocol):
 
     def get_scheduler_stats(self) -> Any: ...
 
+    def inflight_requests(self) -> list[Any]: ...  # aserve.core.stats.InflightRequest (/dashboard)
+
     async def reset_prefix_cache(self) -> bool: ...
 
     # sleep mode (aserve/server/sleep.py; AsyncEngine documents the contracts)

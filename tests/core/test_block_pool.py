@@ -137,3 +137,41 @@ def test_random_operations_keep_the_pool_consistent(enable_caching, ops):
             if not enable_caching and counts[b] == 0:
                 assert pool.block_hash(b) is None
         assert pool.num_free_blocks + pool.num_used_blocks == num_blocks - 1
+
+
+def test_num_cached_free_blocks_matches_a_recount_over_random_operations():
+    """The running count equals the free blocks that carry a hash, whatever the sequence of
+    allocate / touch / free / cache / uncache / reset."""
+    import random
+
+    rng = random.Random(0)
+    pool = BlockPool(12, enable_caching=True)
+    held: list[int] = []
+    next_hash = 0
+
+    def recount() -> int:
+        return sum(1 for b in range(1, 12) if pool.is_free(b) and pool.block_hash(b) is not None)
+
+    for _ in range(2000):
+        op = rng.randrange(6)
+        if op == 0:
+            got = pool.allocate(rng.randint(1, 3))
+            held += got or []
+        elif op == 1 and held:
+            pool.free([held.pop(rng.randrange(len(held)))])
+        elif op == 2 and held:
+            block = rng.choice(held)
+            next_hash += 1
+            pool.cache_full_block(block, next_hash, (next_hash,))
+        elif op == 3:
+            cached_free = [b for b in range(1, 12) if pool.is_free(b) and pool.block_hash(b) is not None]
+            if cached_free:
+                block = rng.choice(cached_free)
+                pool.touch([block])
+                held.append(block)
+        elif op == 4:
+            pool.uncache_block(rng.randrange(1, 12))
+        elif op == 5 and rng.random() < 0.05:
+            pool.reset_prefix_cache()
+        assert pool.num_cached_free_blocks == recount()
+    assert pool.num_cached_free_blocks <= pool.num_free_blocks

@@ -67,8 +67,9 @@ def test_document_lists_every_route_the_app_serves(live, doc):
         for method, op in ops.items():
             assert op["responses"]["4XX"] == {"$ref": "#/components/responses/Error"}, (method, path)
             keyed = path.startswith("/v1") or path in ("/reset_prefix_cache", "/score", "/rerank", "/v2/rerank",
-                                                       "/classify", "/sleep", "/wake_up", "/is_sleeping")
-            # (outside /v1: state changes, model runs)
+                                                       "/classify", "/sleep", "/wake_up", "/is_sleeping",
+                                                       "/dashboard", "/dashboard/data")
+            # (outside /v1: state changes, model runs, the dashboard)
             assert ("security" in op) == keyed, path
             if method == "post" and path not in ("/reset_prefix_cache", "/sleep", "/wake_up", "/ping"):
                 ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
