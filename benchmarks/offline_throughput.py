@@ -4,47 +4,20 @@
 
 Both sides get the same seeded prompts (exactly --input-len tokens each) and generate exactly
 --output-len tokens (EOS ignored). Prints output tokens/s for both, the ratio, and how much of the KV
-memory in use held real tokens (sampled every step).
+memory in use held real tokens (sampled every step). The prompts and the KV logger come from
+`aserve.bench` (`aserve bench throughput` is the vLLM-compatible command without the HF side).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import os
+import sys
 import time
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact river mountain music garden window silver engine "
-         "story letter market island winter summer ocean forest bridge castle doctor teacher").split()
-
-
-def make_prompts(tokenizer, num: int, input_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num):
-        text = " ".join(rng.choice(WORDS) for _ in range(input_len * 2))
-        prompts.append(tokenizer.encode(text, add_special_tokens=False)[:input_len])
-    return prompts
-
-
-class KVUtilization:
-    """A stat logger: real tokens held / token capacity of the blocks in use, summed over steps."""
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.tokens = 0
-        self.capacity = 0
-        self.peak_blocks = 0
-
-    def record(self, sched, iteration) -> None:
-        if sched.num_used_blocks:
-            self.tokens += sched.num_tokens_in_used_blocks
-            self.capacity += sched.num_used_blocks * self.block_size
-            self.peak_blocks = max(self.peak_blocks, sched.num_used_blocks)
-
-    @property
-    def ratio(self) -> float:
-        return self.tokens / self.capacity if self.capacity else 0.0
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # aserve from a checkout
+from aserve.bench.datasets import make_prompt_token_ids as make_prompts  # also lora_throughput.py's
+from aserve.bench.offline import KVUtilization
 
 
 def run_aserve(args, prompts) -> tuple[float, KVUtilization, str]:

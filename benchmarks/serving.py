@@ -16,169 +16,42 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
 import httpx
 
-_WORDS = (
-    "time year people way day man thing woman life child world school state family student group "
-    "country problem hand part place case week company system program question work government number "
-    "night point home water room mother area money story fact month lot right study book eye job word "
-    "business issue side kind head house service friend father power hour game line end member law car "
-    "city community name president team minute idea kid body information back parent face others level "
-    "office door health person art war history party result change morning reason research girl guy "
-    "moment air teacher force education"
-).split()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # aserve from a checkout
+from aserve.bench import client as _client
+from aserve.bench.client import GUIDED_SCHEMA, RequestResult, RequestSpec, resolve_model  # noqa: F401
+from aserve.bench.datasets import make_dataset
+from aserve.bench.metrics import percentile_summary as _percentiles  # noqa: F401
 
 
-def make_dataset(num_prompts: int, words_per_prompt: int, seed: int) -> list[str]:
-    """Deterministic synthetic prompts: the same seed gives the same prompts."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(num_prompts):
-        n = max(1, int(rng.gauss(words_per_prompt, words_per_prompt * 0.1)))
-        body = " ".join(rng.choice(_WORDS) for _ in range(n))
-        prompts.append(f"Request {i}. Summarize the following notes in one paragraph: {body}")
-    return prompts
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    start: float = 0.0
-    ttft: float | None = None
-    e2e: float = 0.0
-    output_tokens: int = 0
-    chunk_times: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-# --guided-json: an open-ended list of records, so guided outputs, like unguided ones, tend to run to
-# --max-tokens (output tok/s is compared, so an early stop costs batch occupancy, not the metric)
-GUIDED_SCHEMA = {
-    "type": "object",
-    "properties": {"records": {"type": "array", "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
-                       "level": {"enum": ["low", "mid", "high"]}},
-        "required": ["name", "score", "level"]}}},
-    "required": ["records"],
-}
+def request_spec(args: argparse.Namespace) -> RequestSpec:
+    chat = args.endpoint == "chat"
+    return RequestSpec(path="/v1/chat/completions" if chat else "/v1/completions", chat=chat,
+                       max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                       guided_json=args.guided_json)
 
 
 def _body(args: argparse.Namespace, model: str, prompt: str) -> dict:
-    body: dict = {
-        "model": model,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if args.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    if args.ignore_eos:
-        body["ignore_eos"] = True
-    if args.guided_json:
-        if args.endpoint == "chat":
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "records", "schema": GUIDED_SCHEMA}}
-        else:
-            body["guided_json"] = GUIDED_SCHEMA
-    return body
+    return _client.build_body(request_spec(args), model, prompt)
 
 
-def _content(chunk: dict, endpoint: str) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    if endpoint == "chat":
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
-
-
-async def one_request(
-    client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompt: str
-) -> RequestResult:
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-    result = RequestResult(ok=False, start=time.perf_counter())
-    chunks = 0
-    usage_tokens = None
-    finished = False  # some servers (transformers serve) end the stream without data: [DONE]
-    try:
-        async with client.stream("POST", path, json=_body(args, model, prompt)) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return result
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                if not line.startswith("data: "):
-                    result.error = f"bad SSE line {line[:80]!r}"
-                    return result
-                payload = line[len("data: ") :]
-                if payload == "[DONE]":
-                    result.ok = True
-                    break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    result.error = str(chunk["error"].get("message"))
-                    return result
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                if any(c.get("finish_reason") for c in chunk.get("choices") or ()):
-                    finished = True
-                if _content(chunk, args.endpoint):
-                    now = time.perf_counter()
-                    if result.ttft is None:
-                        result.ttft = now - result.start
-                    result.chunk_times.append(now)
-                    chunks += 1
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    finally:
-        result.e2e = time.perf_counter() - result.start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    if not result.ok and not result.error:
-        if finished:
-            result.ok = True
-        else:
-            result.error = "the stream ended without a finish_reason or data: [DONE]"
-    return result
-
-
-async def resolve_model(client: httpx.AsyncClient, model: str) -> str:
-    if model:
-        return model
-    resp = await client.get("/v1/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompt: str
+                      ) -> RequestResult:
+    return await _client.one_request(client, request_spec(args), model, prompt)
 
 
 async def run(args: argparse.Namespace) -> dict:
     prompts = make_dataset(args.num_prompts, args.prompt_words, args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.timeout)
-    async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, limits=limits, timeout=timeout
-    ) as client:
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout)) as client:
         model = await resolve_model(client, args.model)
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         arrival_rng = random.Random(args.seed + 1)
@@ -200,41 +73,11 @@ async def run(args: argparse.Namespace) -> dict:
     return summarize(results, duration, model, args)
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-
-    def pct(p: float) -> float:
-        k = (len(ordered) - 1) * p / 100.0
-        lo, hi = math.floor(k), math.ceil(k)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-    return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
-
-
 def summarize(results: list[RequestResult], duration: float, model: str, args: argparse.Namespace) -> dict:
-    ok = [r for r in results if r.ok]
-    output_tokens = sum(r.output_tokens for r in ok)
-    return {
-        "model": model,
-        "endpoint": args.endpoint,
-        "guided_json": args.guided_json,
-        "num_prompts": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration,
-        "max_concurrency": args.max_concurrency,
-        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
-        "output_throughput": output_tokens / duration if duration > 0 else 0.0,
-        "total_output_tokens": output_tokens,
-        "ttft_s": _percentiles([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_s": _percentiles([t for r in ok if (t := r.tpot) is not None]),
-        "itl_s": _percentiles([g for r in ok for g in r.itls]),
-        "e2e_s": _percentiles([r.e2e for r in ok]),
-    }
+    from aserve.bench.metrics import summarize as _summarize
+
+    return _summarize(results, duration, model, endpoint=args.endpoint, guided_json=args.guided_json,
+                      max_concurrency=args.max_concurrency, request_rate=args.request_rate)
 
 
 def format_report(report: dict) -> str:
