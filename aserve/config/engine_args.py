@@ -138,6 +138,10 @@ class EngineArgs:
     # the Hub revision of a model's remote code: aserve runs no remote code (refused with --trust-remote-code)
     code_revision: str | None = None
     kv_cache_memory_bytes: int | None = None  # the KV cache's size in bytes (beats the fraction-based sizing)
+    # the server's tokenizer threads (aserve/server/tokenizer_pool.py): 0 or 1 = one; "ray" is refused
+    tokenizer_pool_size: int = 0
+    tokenizer_pool_type: str = "thread"
+    tokenizer_pool_extra_config: dict[str, Any] | None = None
     # a regex: requests may name logits processors whose qualified name matches it (aserve/server/logits_processors.py)
     logits_processor_pattern: str | None = None
     # Multi-LoRA serving (aserve/config/lora.py)
@@ -274,6 +278,10 @@ class EngineArgs:
     def _validate_combinations(self) -> None:
         """Combinations of values the user gave; those involving the model's context length are
         checked again in resolve_config once the model's default is known."""
+        require(self.tokenizer_pool_size >= 0, "tokenizer_pool_size", f"must be >= 0, got {self.tokenizer_pool_size}")
+        require(self.tokenizer_pool_type == "thread", "tokenizer_pool_type",
+                f"aserve's tokenizer pool runs threads ('thread'); {self.tokenizer_pool_type!r} is not implemented")
+        require(not self.tokenizer_pool_extra_config, "tokenizer_pool_extra_config", "the thread pool takes no options")
         if self.logits_processor_pattern is not None:
             try:
                 re.compile(self.logits_processor_pattern)

@@ -44,6 +44,7 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | None = None
     hf_config_path: str | None = None  # the folder config.json was read from (--hf-config-path; None: model_path)
     logits_processor_pattern: str | None = None  # requests may name logits processors matching it (None: none)
+    tokenizer_pool_size: int = 0  # the server's tokenizer threads (0 or 1: one)
 
     @property
     def served_model_name(self) -> str:

@@ -99,9 +99,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     # -- issue 25's "Implement" list, not implemented yet -------------------------------------------
     "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
     "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
-    "tokenizer_pool_size": _todo("int", 0, "tokenizing in a pool of workers"),
-    "tokenizer_pool_type": _todo("str", "ray", "the tokenizer pool's kind"),
-    "tokenizer_pool_extra_config": _todo("json", None, "the tokenizer pool's extra config"),
     "model_loader_extra_config": _todo("json", None, "extra options of the model loader"),
     "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
     # -- owned by other issues ----------------------------------------------------------------------

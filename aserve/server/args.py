@@ -100,6 +100,10 @@ _ENGINE_HELP = {
     "ignore_patterns": "weight files to skip (fnmatch globs inside the model folder; also not downloaded)",
     "code_revision": "Hub revision of the model's remote code (refused with --trust-remote-code)",
     "kv_cache_memory_bytes": "KV-cache size in bytes (beats the --gpu-memory-utilization sizing)",
+    "tokenizer_pool_size": "threads that tokenize and render chat templates, each with its own tokenizer copy "
+                           "(0 or 1: one), so long prompts do not queue behind one another",
+    "tokenizer_pool_type": "'thread' (vLLM's 'ray' is refused: aserve's pool runs threads)",
+    "tokenizer_pool_extra_config": "refused when set: the thread pool takes no options",
     "logits_processor_pattern": "a regex: requests may name logits processors (qualified names matching it) in "
                                 "logits_processors; none by default",
     "enable_lora": "serve LoRA adapters (--lora-modules, or loaded at run time)",

@@ -167,8 +167,7 @@ async def create_chat_completion(request: Request) -> Response:
     conversation = to_conversation(req.messages, state.args.chat_template_content_format)
     num_chars = sum(len(content_text(m["content"])) for m in conversation)
     state.check_text_length(num_chars, "messages")
-    prompt, prompt_ids = await state.run_blocking(
-        state.renderer.render_and_tokenize,
+    prompt, prompt_ids = await state.run_tokenizer(lambda w: w.renderer.render_and_tokenize(
         conversation,
         add_special_tokens=req.add_special_tokens,
         add_generation_prompt=req.add_generation_prompt,
@@ -176,7 +175,7 @@ async def create_chat_completion(request: Request) -> Response:
         chat_template=req.chat_template,
         chat_template_kwargs=_template_kwargs(req),
         tools=req.tools,
-    )
+    ))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     defaults = state.generation_defaults

@@ -142,7 +142,8 @@ async def create_completion(request: Request) -> Response:
         if isinstance(p, str):
             state.require_tokenizer("prompt")
             state.check_text_length(len(p), f"prompt[{i}]" if batched else "prompt")
-    tokenized = await state.run_blocking(_tokenize_all, state.tokenizer, raw_prompts, req.add_special_tokens)
+    tokenized = (await state.run_tokenizer(lambda w: _tokenize_all(w.tokenizer, raw_prompts, req.add_special_tokens))
+                 if state.tokenizers is not None else _tokenize_all(None, raw_prompts, req.add_special_tokens))
     stream = bool(req.stream)
     echo = bool(req.echo)
     prompt_logprobs = req.prompt_logprobs
@@ -181,7 +182,7 @@ async def create_completion(request: Request) -> Response:
             kept = outputs.prompt_token_ids
             text = raw if isinstance(raw, str) and len(kept) == len(ids) else ""
             if echo and not text and state.tokenizer is not None:  # echo what the model saw
-                text = await state.run_blocking(state.tokenizer.decode, kept)
+                text = await state.run_tokenizer(lambda w: w.tokenizer.decode(kept))
             prompts.append(_Prompt(i, entry_id, text, kept, outputs))
     except BaseException:
         for p in prompts:

@@ -81,21 +81,20 @@ async def tokenize(request: Request) -> Response:
     state.require_tokenizer("prompt" if req.prompt is not None else "messages")
     if req.messages is not None:
         conversation = to_conversation(req.messages, state.args.chat_template_content_format)
-        _, ids = await state.run_blocking(
-            state.renderer.render_and_tokenize,
+        _, ids = await state.run_tokenizer(lambda w: w.renderer.render_and_tokenize(
             conversation,
             add_special_tokens=bool(req.add_special_tokens),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
             chat_template_kwargs=req.chat_template_kwargs,
-        )
+        ))
     else:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = await state.run_blocking(state.tokenizer.encode, req.prompt, add_special_tokens=add_special)
+        ids = await state.run_tokenizer(lambda w: w.tokenizer.encode(req.prompt, add_special_tokens=add_special))
     token_strs = None
     if req.return_token_strs:
-        token_strs = await state.run_blocking(state.tokenizer.convert_ids_to_tokens, ids)
+        token_strs = await state.run_tokenizer(lambda w: w.tokenizer.convert_ids_to_tokens(ids))
     return _json(
         TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=token_strs)
     )
@@ -110,7 +109,7 @@ async def detokenize(request: Request) -> Response:
     bad = [t for t in req.tokens if not 0 <= t < vocab_size]
     if bad:
         raise bad_request(f"token ids must be in [0, {vocab_size}), got {bad[:5]}", param="tokens")
-    text = await state.run_blocking(state.tokenizer.decode, req.tokens)
+    text = await state.run_tokenizer(lambda w: w.tokenizer.decode(req.tokens))
     return _json(DetokenizeResponse(prompt=text))
 
 

@@ -203,7 +203,7 @@ async def submit(request: Request, state: ServerState, prefix: str, prompts: Seq
     if limit is not None and limit > state.max_model_len:  # the engine's own check, before tokenizing
         raise bad_request(f"must be at most max_model_len ({state.max_model_len}), got {limit}",
                           param="truncate_prompt_tokens")
-    token_ids = await state.run_blocking(_count_tokens, state.tokenizer, prompts, limit) if texts \
+    token_ids = await state.run_tokenizer(lambda w: _count_tokens(w.tokenizer, prompts, limit)) if texts \
         else _count_tokens(None, prompts, limit)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     state.check_load(len(prompts), sum(len(ids) for ids in token_ids))

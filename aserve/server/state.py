@@ -25,6 +25,7 @@ from aserve.lora.request import LoRARequest
 from aserve.outputs import RequestOutput
 from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
+from aserve.server.tokenizer_pool import TokenizerPool, TokenizerWorker
 from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
 from aserve.server.errors import APIError, RequestFailed, overloaded
@@ -139,6 +140,7 @@ class ServerState:
     system_fingerprint: str
     version: str
     max_prompt_chars: int | None = None
+    tokenizers: TokenizerPool | None = None  # None without a tokenizer (--skip-tokenizer-init)
     draining: bool = False
     _limiter: anyio.CapacityLimiter | None = field(default=None, repr=False)
 
@@ -183,6 +185,8 @@ class ServerState:
             system_fingerprint=f"fp_aserve_{digest[:10]}",
             version=version,
             max_prompt_chars=max_prompt_chars,
+            tokenizers=TokenizerPool(tokenizer, lambda tok: ChatRenderer(tok, template), model_config.tokenizer_pool_size)
+            if tokenizer is not None else None,
         )
 
     @property
@@ -220,8 +224,13 @@ class ServerState:
         """The adapter a checked `model` name denotes (None: the base model)."""
         return None if model in self.served_model_names else self.engine.loras.get(model)
 
+    async def run_tokenizer(self, fn: Callable[[TokenizerWorker], T]) -> T:
+        """`fn(worker)` (tokenizing, rendering a chat template) on the tokenizer pool's threads; the
+        worker's tokenizer and renderer are its own while `fn` runs (`tokenizer_pool.py`)."""
+        return await self.tokenizers.run(fn)
+
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run tokenizer/template work in a worker thread, one at a time (the tokenizer is shared)."""
+        """Run other blocking work (grammar compiles) in a worker thread, one at a time."""
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(1)
         return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._limiter)
