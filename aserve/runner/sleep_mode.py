@@ -4,9 +4,10 @@ the weights, between steps while no request is running; bring them back on wake-
 Level 1 drops every reference to the KV cache tensors (the runner's lists, the attention layers'
 bindings, a draft model's cache, the compiled decode / CUDA graphs that captured them), so the memory
 goes back to the OS (CPU: the tensors came from calloc, large ones are unmapped on free) or to the
-device. The weights stay where they are: on CPU they already live in host memory; on CUDA aserve keeps
-them on the device (vLLM offloads them to host memory). Level 2 also drops the weights (the model, its
-LoRA wrapper, a draft model); waking the weights reloads them from the checkpoint, as at start-up.
+device. On CPU the weights already live in host memory and stay; on CUDA level 1 moves the models'
+parameters and buffers to host memory (vLLM's offload) and waking moves them back. Level 2 drops the
+weights (the model, its LoRA wrapper, a draft model); waking them reloads them from the checkpoint, as
+at start-up.
 
 Waking the KV cache allocates the same shapes as at start-up (the scheduler keeps its block pool; the
 contents are gone, so the engine resets its prefix cache). Once both parts are awake the cache is bound
@@ -34,10 +35,11 @@ class RunnerSleep:
         self.kv_blocks: tuple[int, int] | None = None
         self.kv_released = False
         self.weights_released = False
+        self.weights_offloaded = False  # CUDA level 1: the weights wait in host memory
 
     @property
     def is_sleeping(self) -> bool:
-        return self.kv_released or self.weights_released
+        return self.kv_released or self.weights_released or self.weights_offloaded
 
     def sleep(self, runner: Any, level: int) -> None:
         """Release the KV cache (level 1) and the weights (level 2). ValueError for another level.
@@ -59,6 +61,9 @@ class RunnerSleep:
         if level == 2:
             runner.model = runner.lora = runner.proposer = None
             self.weights_released = True
+        elif runner.device.type == "cuda" and runner.model is not None:
+            _move_weights(runner, torch.device("cpu"))
+            self.weights_offloaded = True
         _free_memory(runner.device)
         logger.info("Sleeping (level %d): released the KV cache%s", level, " and the weights" if level == 2 else "")
 
@@ -73,6 +78,9 @@ class RunnerSleep:
         if "weights" in tags and self.weights_released:
             runner.load_model()
             self.weights_released = False
+        if "weights" in tags and self.weights_offloaded:
+            _move_weights(runner, runner.device)
+            self.weights_offloaded = False
         if "kv_cache" in tags and self.kv_released:
             if self.kv_blocks is not None:  # None: a runner with no cache tensors (an encoder)
                 runner.allocate_kv_caches(*self.kv_blocks)
@@ -82,6 +90,14 @@ class RunnerSleep:
                 runner.bind_kv_caches(*self.kv_blocks)
             runner.capture_graphs()
             logger.info("Awake: the KV cache and the weights are back")
+
+
+def _move_weights(runner: Any, device: torch.device) -> None:
+    """The target's and a draft model's parameters and buffers to `device`."""
+    runner.model.to(device)
+    draft = getattr(runner.proposer, "model", None)
+    if draft is not None:
+        draft.to(device)
 
 
 def _free_memory(device: torch.device) -> None:

@@ -98,8 +98,11 @@ def test_cuda_sleep_frees_the_device_cache_and_recaptures_graphs(tiny_llama):
     tokens = runner.execute(_step("a", [])).sampled_token_ids
     kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     allocated = torch.cuda.memory_allocated()
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     runner.sleep(1)
-    assert allocated - torch.cuda.memory_allocated() >= kv_bytes
+    assert allocated - torch.cuda.memory_allocated() >= kv_bytes + weight_bytes  # weights offloaded too
+    assert all(p.device.type == "cpu" for p in runner.model.parameters())
     runner.wake_up()
+    assert all(p.device.type == "cuda" for p in runner.model.parameters())
     assert runner.graph_runner is not None  # recaptured against the new cache
     assert runner.execute(_step("b", ["a"])).sampled_token_ids == tokens
