@@ -350,7 +350,7 @@ class Scheduler:
                 verified = spec_scheduled.get(req_id)
                 if verified:  # the rejected drafts' KV slots count as not computed
                     req.num_computed_tokens -= len(verified) + 1 - len(tokens)
-                    self.drafts.stats.observe(len(verified), len(tokens) - 1)
+                    self.drafts.observe(verified, tokens)
             num_kept, status = req.append_step_tokens(tokens, self.max_model_len)
             req.spec_token_ids = drafts.get(req_id, []) if status is None and drafts else []
             lps = logprobs[i] if logprobs else None

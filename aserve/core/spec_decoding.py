@@ -44,6 +44,14 @@ class DraftPolicy:
         n = min(len(drafts), req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens - 1)
         return drafts[:n] if n > 0 else []
 
+    def observe(self, drafts: list[int], tokens: list[int]) -> None:
+        """Counts one verification: the leading drafts the step's tokens agree with were accepted (an
+        accepted draft that ended the request, e.g. EOS, included)."""
+        n = 0
+        while n < len(drafts) and n < len(tokens) and tokens[n] == drafts[n]:
+            n += 1
+        self.stats.observe(len(drafts), n)
+
     def take_stats(self) -> SpecDecodingStats | None:
         """The counters since the previous call (None with speculation off)."""
         if self.config is None:

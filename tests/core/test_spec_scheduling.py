@@ -513,3 +513,16 @@ def test_prefix_cache_holds_only_accepted_tokens():
     so = s.schedule()
     assert s.kv_cache_manager.prefix_cache_hits - hits_before == (pos // bs) * bs
     s.update(so, d.runner.execute(so))
+
+
+def test_an_accepted_draft_that_ends_the_request_counts_as_accepted():
+    """Verification stops at an accepted EOS draft: it is the step's last token and an accepted draft."""
+    s = make_spec_scheduler(ngram_spec(k=3))
+    s.add_request(make_request("a", 8, max_tokens=20, eos=(2,)))
+    so = s.schedule()
+    s.update(so, RunnerOutput(req_ids=["a"], sampled_token_ids=[[5]], logprobs=[[]], draft_token_ids={"a": [7, 2, 9]}))
+    so = s.schedule()
+    outs = s.update(so, RunnerOutput(req_ids=["a"], sampled_token_ids=[[7, 2]], logprobs=[[]]))
+    assert outs[0].new_token_ids == [7, 2] and outs[0].finish_reason == "stop"
+    stats = s.make_stats().spec_decoding
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 2)
