@@ -61,7 +61,7 @@ _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni' or 'mp' (ray is not implemented yet)"),
     ("attention_backend", _ATTENTION_BACKENDS, "'torch' or 'triton'"),
     ("model_impl", MODEL_IMPLS, None),
-    ("tokenizer_mode", _TOKENIZER_MODES, None),
+    ("tokenizer_mode", _TOKENIZER_MODES, "'auto' or 'slow' ('mistral', mistral_common's tokenizer, is not implemented)"),
 )
 
 
@@ -319,7 +319,6 @@ class EngineArgs:
         if self.quantization is not None:
             require(self.device != "cuda", "quantization", f"{self.quantization!r} is implemented for CPU only")
         require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
-        require(self.tokenizer_mode != "slow", "tokenizer_mode", "'slow' tokenizers are not implemented; use 'auto'")
         require(self.config_format in _CONFIG_FORMATS, "config_format",
                 f"must be 'auto' or 'hf' (aserve reads Hugging Face's config.json only; the 'mistral' params.json "
                 f"format is not implemented), got {self.config_format!r}")

@@ -146,6 +146,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         hf_config_path=config_folder,
         logits_processor_pattern=args.logits_processor_pattern,
         tokenizer_pool_size=args.tokenizer_pool_size,
+        tokenizer_mode=args.tokenizer_mode,
     )
     speculative = resolve_speculative_config(args, arch, model_impl=model_impl, is_pooling=pooling is not None,
                                              max_model_len=max_model_len, draft_model_path=draft_model_path)

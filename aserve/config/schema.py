@@ -45,6 +45,7 @@ class ModelConfig:
     hf_config_path: str | None = None  # the folder config.json was read from (--hf-config-path; None: model_path)
     logits_processor_pattern: str | None = None  # requests may name logits processors matching it (None: none)
     tokenizer_pool_size: int = 0  # the server's tokenizer threads (0 or 1: one)
+    tokenizer_mode: str = "auto"  # auto: the fast (Rust) tokenizer; slow: transformers' Python one
 
     @property
     def served_model_name(self) -> str:

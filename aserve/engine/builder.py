@@ -49,6 +49,8 @@ def load_tokenizer(config: AserveConfig):
     if config.model.skip_tokenizer_init:
         return None
     kwargs = dict(revision=config.model.tokenizer_revision, trust_remote_code=config.model.trust_remote_code)
+    if config.model.tokenizer_mode == "slow":
+        return _slow_tokenizer(config.model.tokenizer, kwargs)
     if _generic_fast_tokenizer(config.model.tokenizer):
         from transformers import PreTrainedTokenizerFast
 
@@ -56,6 +58,25 @@ def load_tokenizer(config: AserveConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(config.model.tokenizer, **kwargs)
+
+
+def _slow_tokenizer(name: str, kwargs: dict):
+    """--tokenizer-mode slow: what transformers gives for `use_fast=False`, as vLLM asks (its Python tokenizer where
+    it has one; transformers 5 backs most classes by the Rust library either way, which is logged). ConfigError
+    naming the flag when it cannot load one."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, use_fast=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises several kinds here
+        raise ConfigError(f"--tokenizer-mode slow: {name!r} has no slow (Python) tokenizer "
+                          f"({type(e).__name__}: {e}); use 'auto'") from None
+    if tokenizer.is_fast:
+        logger.warning("--tokenizer-mode slow: transformers %s has no Python tokenizer for %s; %s (Rust-backed) "
+                       "serves it, as with vLLM on this transformers", transformers.__version__, name,
+                       type(tokenizer).__name__)
+    return tokenizer
 
 
 def _generic_fast_tokenizer(folder: str) -> bool:
@@ -141,7 +162,11 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
         except BaseException:
             tokenizer_future.cancel()
             raise
-        tokenizer = tokenizer_future.result()
+        try:
+            tokenizer = tokenizer_future.result()
+        except BaseException:  # a tokenizer that cannot load (--tokenizer-mode slow without one): no leaked worker
+            executor.shutdown()
+            raise
     tokens = (info.num_blocks - 1) * info.block_size  # block 0 is the reserved null block
     if tokens < config.model.max_model_len:
         executor.shutdown()

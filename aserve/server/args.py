@@ -66,7 +66,7 @@ _ENGINE_HELP = {
     "model_impl": "auto: aserve's native class when there is one, else the Transformers backend; aserve: native "
                   "only; transformers: always transformers' modeling code with aserve's paged attention",
     "tokenizer": "tokenizer name or folder",
-    "tokenizer_mode": "auto (the fast tokenizer); 'slow' is refused",
+    "tokenizer_mode": "auto (the fast tokenizer) or slow (transformers' Python tokenizer, when the model has one)",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs carry token ids only",
     "revision": "Hub revision (branch, tag or commit) of the model",
     "tokenizer_revision": "Hub revision of the tokenizer",
