@@ -123,6 +123,8 @@ class AsyncEngine:
         # The executor runs one call at a time: a step, or an adapter load between steps (FIFO).
         self._executor_lock = anyio.Lock()
         self._asleep: set[str] = set()  # sleep mode: the parts (SLEEP_TAGS) not woken up yet
+        self._sleeps_pending = 0  # /sleep calls waiting for a wake-up in progress: requests stay out
+        self._sleep_lock = anyio.Lock()  # one sleep or wake-up at a time, its state change included
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
@@ -180,7 +182,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is dead: {self.dead_error}")
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
-        if self._asleep:
+        if self._asleep or self._sleeps_pending:
             raise EngineSleepingError("the model is sleeping (sleep mode): POST /wake_up to serve requests again")
         stream = RequestStream(request_id, params.output_kind)
         stream.prompt_token_ids = self.engine.add_request(
@@ -221,7 +223,7 @@ class AsyncEngine:
 
     def is_sleeping(self) -> bool:
         """True from `sleep` until every part has been woken up."""
-        return bool(self._asleep)
+        return bool(self._asleep or self._sleeps_pending)
 
     async def sleep(self, level: int = 1) -> None:
         """Release the KV cache (level 1) and the weights too (level 2) between steps; new requests
@@ -235,8 +237,13 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is dead: {self.dead_error}")
         if self.engine.has_unfinished_requests() or self.streams:
             raise EngineBusyError(f"cannot sleep while {max(len(self.streams), 1)} requests are running")
-        self._asleep = set(SLEEP_TAGS)  # before any await: no request can enter from here on
-        await self._call_executor(self.engine.core.sleep, level)
+        self._sleeps_pending += 1  # before any await: no request can enter from here on
+        try:
+            async with self._sleep_lock:
+                self._asleep = set(SLEEP_TAGS)
+                await self._call_executor(self.engine.core.sleep, level)
+        finally:
+            self._sleeps_pending -= 1
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back the parts `tags` names ("weights", "kv_cache"; None: both); requests are served
@@ -245,10 +252,11 @@ class AsyncEngine:
         if unknown:
             raise ValueError(f"unknown wake-up tags {unknown}: use {list(SLEEP_TAGS)}")
         parts = set(tags) if tags else set(SLEEP_TAGS)
-        if not self._asleep & parts:
-            return
-        await self._call_executor(self.engine.core.wake_up, tuple(sorted(parts)) if tags else None)
-        self._asleep -= parts
+        async with self._sleep_lock:  # after a sleep queued before it, never in the middle of one
+            if not self._asleep & parts:
+                return
+            await self._call_executor(self.engine.core.wake_up, tuple(sorted(parts)) if tags else None)
+            self._asleep -= parts
 
     async def _call_executor(self, fn, *args) -> None:
         """Between steps; a failure (ExecutorDeadError) kills the engine, as in a step."""

@@ -150,3 +150,32 @@ def test_without_the_flag_the_routes_are_404_naming_it_and_ping_load_answer(mode
         assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
         assert http.get("/load").json() == {"server_load": 0}
         assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_sleep_during_a_wake_up_leaves_the_engine_asleep_and_alive(live, monkeypatch):
+    """POST /sleep while a /wake_up is still reloading: the sleep waits for it, then the engine sleeps
+    (requests keep getting 503 throughout), and a later wake-up serves the same tokens."""
+    import threading
+    import time
+
+    engine, http = live
+    before = _greedy(http)
+    core = engine.engine.core
+    slow_wake = core.wake_up
+
+    def wake_slowly(*args):
+        time.sleep(1.0)
+        return slow_wake(*args)
+
+    assert http.post("/sleep", params={"level": 2}).status_code == 200
+    monkeypatch.setattr(core, "wake_up", wake_slowly)
+    waking = threading.Thread(target=lambda: http.post("/wake_up"))
+    waking.start()
+    time.sleep(0.3)  # the wake-up is reloading the weights
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    waking.join()
+    _assert_asleep(http)
+    monkeypatch.setattr(core, "wake_up", slow_wake)
+    assert http.post("/wake_up").status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert _greedy(http) == before
