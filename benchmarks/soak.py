@@ -73,7 +73,7 @@ def rss_bytes(pid: int) -> int:
 
 async def kv_usage(client: httpx.AsyncClient) -> float:
     text = (await client.get("/metrics")).text
-    match = re.search(r"^aserve:kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    match = re.search(r"^(?:vllm|aserve):kv_cache_usage_perc\{[^}]*\} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else float("nan")
 
 

@@ -135,8 +135,8 @@ async def one_request(client: httpx.AsyncClient, spec: RequestSpec, model: str, 
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    finally:
-        result.e2e = time.perf_counter() - result.start
+    finally:  # vLLM's latency ends with the last content chunk (not the usage chunk or [DONE])
+        result.e2e = (result.chunk_times[-1] if result.chunk_times else time.perf_counter()) - result.start
     result.output_tokens = usage.get("completion_tokens", chunks)
     result.prompt_tokens = usage.get("prompt_tokens")
     result.generated_text = "".join(text)

@@ -187,7 +187,7 @@ def page_html() -> str:
 
 async def dashboard_page(request: Request) -> Response:
     """The live page; it polls /dashboard/data about once a second."""
-    return HTMLResponse(page_html(), headers={"Cache-Control": "no-store"})
+    return HTMLResponse(page_html(), headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
 
 async def dashboard_data(request: Request) -> Response:

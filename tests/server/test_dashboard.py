@@ -95,6 +95,7 @@ def test_data_needs_the_key_and_has_the_documented_shape(live):
         assert http.get("/dashboard?key=wrong").status_code == 401
         page = http.get(f"/dashboard?key={KEY}")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert page.headers["referrer-policy"] == "no-referrer"  # the polls never carry ?key= in a Referer
         assert "<svg" in page.text and "http" not in page.text.split("<script>")[1].split("SVG =")[0]
 
         secret_prompt = "zebra quick fox"
@@ -174,6 +175,7 @@ def test_page_in_a_headless_browser_under_load(live, tmp_path):
             return int(driver.find_element(By.TAG_NAME, "body").get_attribute("data-polls") or 0)
 
         _wait(lambda: polls() >= 1, 30, "the page's first poll")
+        assert "key=" not in driver.current_url  # the key left the address bar (and the history)
 
         stop = time.monotonic() + 10
         counter = iter(range(10**6))
