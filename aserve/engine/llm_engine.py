@@ -8,6 +8,7 @@ next step's forward pass.
 from __future__ import annotations
 
 import itertools
+import dataclasses
 import time
 
 from aserve.config import EngineArgs
@@ -17,7 +18,7 @@ from aserve.engine.input_processor import InputProcessor
 from aserve.engine.output_processor import OutputProcessor, ProcessedOutputs
 from aserve.engine.pooling_inputs import PoolingInputProcessor, TextPair
 from aserve.engine.pooling_outputs import PoolingOutputProcessor
-from aserve.engine.stats import PreemptionWarner, StatLogger
+from aserve.engine.stats import IterationStats, PreemptionWarner, StatLogger
 from aserve.engine.lora_registry import LoRARegistry
 from aserve.engine.tracing import make_request_tracer
 from aserve.executor.base import make_executor
@@ -130,7 +131,17 @@ class LLMEngine:
         sample_ids = self.outputs.sample_ids(request_id)
         if sample_ids:
             self.core.abort_requests(sample_ids)
-        return self.outputs.abort_request(request_id)
+        if not isinstance(self.outputs, OutputProcessor):
+            return self.outputs.abort_request(request_id)
+        stats = IterationStats()
+        out = self.outputs.abort_request(request_id, stats)
+        if stats.finished_requests:  # the abort reaches the metrics and traces like any finish
+            # the gauges now; the per-step counters stay for the next step's record
+            scheduler_stats = dataclasses.replace(self.core.current_stats(), prefix_cache_queries=0,
+                                                  prefix_cache_hits=0, num_preemptions=0, spec_decoding=None)
+            for logger in self.stat_loggers:
+                logger.record(scheduler_stats, stats)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

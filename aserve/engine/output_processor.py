@@ -135,8 +135,9 @@ class OutputProcessor:
         state = self.requests.get(request_id)
         return [s.req_id for s in state.samples] if state else []
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Drops a request (client gone or aborted); returns its final output with finish_reason 'abort'."""
+    def abort_request(self, request_id: str, stats: IterationStats | None = None) -> RequestOutput | None:
+        """Drops a request (client gone or aborted); returns its final output with finish_reason 'abort'. Its
+        finished-request record goes into `stats` (metrics, traces), as a request finishing in a step does."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
@@ -146,6 +147,10 @@ class OutputProcessor:
                 s.finish_reason = "abort"
                 s.changed = True
         state.num_finished = len(state.samples)
+        if stats is not None:
+            now = time.time()
+            state.metrics.finished_time = now
+            stats.finished_requests.append(self._finished_stats(state, now))
         return self._make_output(state)
 
     def add_model_times(self, req_ids: list[str], forward_time: float, execute_time: float) -> None:

@@ -29,7 +29,7 @@ from aserve.server import admin, chat, completions, dashboard, embeddings, lora,
 from aserve.server import pooling_protocol as pp
 from aserve.server.args import ServerArgs
 from aserve.server import protocol as p
-from aserve.server.errors import APIError, body_too_large, http_error
+from aserve.server.errors import APIError, RequestFailed, body_too_large, http_error
 from aserve.server.linger import LingerMiddleware, linger_bytes
 from aserve.server.metrics import CONTENT_TYPE
 from aserve.server.openapi import Operation, docs_page, openapi_document
@@ -155,7 +155,9 @@ def _limited(receive: Receive, limit: int) -> Receive:
 
 def _api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    if _route_path(request.scope) in _ENGINE_PATHS and exc.status != 504:  # a timeout counts as an abort
+    # A timeout counts as an abort, and a request the engine failed was counted by the engine (its finish).
+    already_counted = exc.status == 504 or isinstance(exc.__cause__, RequestFailed)
+    if _route_path(request.scope) in _ENGINE_PATHS and not already_counted:
         reason = "overloaded" if exc.status == 429 else "invalid_request" if exc.status < 500 else "error"
         request.app.state.aserve.metrics.record_rejected(reason)
     return exc.to_response()

@@ -183,3 +183,25 @@ def test_live_preemption_is_counted_and_warned(tiny_model):
     warnings = [msg for msg in handler.messages if "not enough KV cache space" in msg]
     assert len(warnings) == 1  # the first preemption step warns; the next 49 stay quiet
     assert 1 <= int(re.search(r"total_num_cumulative_preemption=(\d+)", warnings[0])[1]) <= preemptions
+
+
+def test_live_aborted_stream_counts_as_a_failure_once(tiny_model):
+    """A client that leaves a stream after its first chunk: the request is aborted, and the abort reaches
+    request_process_fail_total and request_failure_total{reason=abort} (once), like any finish."""
+    import time
+
+    with serving(tiny_model, quiet_args()) as (engine, address), \
+            httpx.Client(base_url=address.url, timeout=60) as http:
+        name = http.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": name, "prompt": "hello there", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            next(r.iter_lines())  # the first chunk, then the client leaves
+        for _ in range(100):
+            samples = _samples(http.get("/metrics").text)
+            fail = samples.get(("vllm:request_process_fail_total", (("model_name", name),)), 0)
+            if fail:
+                break
+            time.sleep(0.05)
+        abort = samples.get(("vllm:request_failure_total", (("model_name", name), ("reason", "abort"))), 0)
+        assert (fail, abort) == (1, 1)
+        assert samples[("vllm:request_total", (("model_name", name),))] == 1
