@@ -81,8 +81,9 @@ def sharegpt_requests(path: str, tokenizer, num_prompts: int, output_len: int | 
             break
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         out_len = output_len or len(tokenizer.encode(completion, add_special_tokens=False))
-        if output_len is None and (prompt_len < 4 or out_len < 4 or prompt_len > 1024
-                                   or prompt_len + out_len > 2048):
+        # vLLM's validity rule (the minimum output length only applies to the conversation's own reply)
+        if (prompt_len < 4 or (output_len is None and out_len < 4) or prompt_len > 1024
+                or prompt_len + out_len > 2048):
             continue
         requests.append(SampleRequest(prompt, prompt_len, out_len))
     if len(requests) < num_prompts:

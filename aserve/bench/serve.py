@@ -156,7 +156,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
     api_key = os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     levels = args.max_concurrency or [None]
-    limits = httpx.Limits(max_connections=max(x or 1000 for x in levels), max_keepalive_connections=None)
+    # No client-side cap without --max-concurrency (a request waiting for a connection would count as TTFT).
+    limits = httpx.Limits(max_connections=None if None in levels else max(levels), max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.timeout)) as client:
         model = await resolve_model(client, args.model)

@@ -58,6 +58,8 @@ def test_sharegpt_takes_first_two_turns_and_filters(tokenizer, tmp_path):
     assert all(r.expected_output_len == 9 for r in sharegpt_requests(str(path), tokenizer, 5, 9))
     with pytest.raises(ValueError, match="only 5 usable"):
         sharegpt_requests(str(path), tokenizer, 6)
+    with pytest.raises(ValueError, match="only 5 usable"):  # a fixed output length keeps the prompt checks
+        sharegpt_requests(str(path), tokenizer, 6, 9)
 
 
 @pytest.mark.parametrize("burstiness", [1.0, 4.0, 0.25])
