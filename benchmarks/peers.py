@@ -304,6 +304,52 @@ def _int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def check_pass_args(p: argparse.ArgumentParser, args: argparse.Namespace, systems: tuple[str, ...]) -> None:
+    """--systems (a comma list of `systems`), --concurrency and --num-prompts (int lists, one prompt count
+    or one per concurrency, all >= 1), parsed in place; `p.error` naming the flag otherwise."""
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if unknown := sorted(set(args.systems) - set(systems)):
+        p.error(f"--systems: unknown {unknown}; known: {systems}")
+    try:
+        args.concurrency, args.num_prompts = _int_list(args.concurrency), _int_list(args.num_prompts)
+    except ValueError as exc:
+        p.error(f"--concurrency/--num-prompts: {exc}")
+    if len(args.num_prompts) == 1:
+        args.num_prompts *= len(args.concurrency)
+    if not args.concurrency or len(args.num_prompts) != len(args.concurrency):
+        p.error("--num-prompts: give one value, or one per --concurrency value")
+    if min(args.concurrency + args.num_prompts) < 1:
+        p.error("--concurrency/--num-prompts: values must be >= 1")
+
+
+def run_systems(systems: list, args: argparse.Namespace, log_dir: str, run_pass, skipped_row) -> list[dict]:
+    """One row per skipped system (`skipped_row(system)`), else one per --concurrency pass (`run_pass`)."""
+    rows = []
+    for system in systems:
+        if system.skipped:
+            rows.append(skipped_row(system))
+            continue
+        for concurrency, num_prompts in zip(args.concurrency, args.num_prompts, strict=True):
+            print(f"{system.key}: c={concurrency}, {num_prompts} prompts ...", file=sys.stderr, flush=True)
+            rows.append(run_pass(system, args, concurrency, num_prompts, log_dir))
+    return rows
+
+
+def report(info: dict, rows: list[dict], table: str, log_dir: str, name_field: str, json_out: str | None,
+           json_extra: dict) -> int:
+    """Prints the run's facts, `table` and each pass's command; writes the JSON; 1 if any pass failed."""
+    print("\n".join(f"{k}: {v}" for k, v in info.items()))
+    print(f"server logs: {log_dir}\n")
+    print(table)
+    for row in rows:
+        if "command" in row:
+            print(f"- {row[name_field]} c={row['concurrency']}: `{row['command']}`")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump({**info, **json_extra, "rows": rows}, f, indent=2)
+    return 1 if any("failed" in r or r.get("report", {}).get("failed") for r in rows) else 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
@@ -333,19 +379,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default="", help="server logs (default: a new temporary folder)")
     p.add_argument("--json-out", default=None, help="also write everything as JSON to this file")
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if unknown := sorted(set(args.systems) - set(SYSTEMS)):
-        p.error(f"--systems: unknown {unknown}; known: {SYSTEMS}")
-    try:
-        args.concurrency, args.num_prompts = _int_list(args.concurrency), _int_list(args.num_prompts)
-    except ValueError as exc:
-        p.error(f"--concurrency/--num-prompts: {exc}")
-    if len(args.num_prompts) == 1:
-        args.num_prompts *= len(args.concurrency)
-    if not args.concurrency or len(args.num_prompts) != len(args.concurrency):
-        p.error("--num-prompts: give one value, or one per --concurrency value")
-    if min(args.concurrency + args.num_prompts) < 1:
-        p.error("--concurrency/--num-prompts: values must be >= 1")
+    check_pass_args(p, args, SYSTEMS)
     if not args.llama_cpp_src and args.llama_server:
         binary = os.path.abspath(args.llama_server)  # <src>/build/bin/llama-server
         args.llama_cpp_src = os.path.dirname(os.path.dirname(os.path.dirname(binary)))
@@ -363,15 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         return make_bf16_gguf(hf_folder, out, args.llama_cpp_src)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="aserve-peers-")
     os.makedirs(log_dir, exist_ok=True)
-    rows = []
-    for system in plan_systems(args, hf_folder, gguf_file, why):
-        if system.skipped:
-            rows.append({"system": system.name, "key": system.key, "weights": system.weights,
-                         "skipped": system.skipped})
-            continue
-        for concurrency, num_prompts in zip(args.concurrency, args.num_prompts, strict=True):
-            print(f"{system.key}: c={concurrency}, {num_prompts} prompts ...", file=sys.stderr, flush=True)
-            rows.append(run_pass(system, args, concurrency, num_prompts, log_dir))
+    rows = run_systems(plan_systems(args, hf_folder, gguf_file, why), args, log_dir, run_pass,
+                       lambda s: {"system": s.name, "key": s.key, "weights": s.weights, "skipped": s.skipped})
     info = {
         "cpu": cpu_summary(_read_cpuinfo()),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -382,16 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"EOS {'ignored' if args.ignore_eos else 'honoured'}; "
                      f"{args.warmup} warm-up request(s) and a fresh server per pass"),
     }
-    print("\n".join(f"{k}: {v}" for k, v in info.items()))
-    print(f"server logs: {log_dir}\n")
-    print(format_table(rows))
-    for row in rows:
-        if "command" in row:
-            print(f"- {row['key']} c={row['concurrency']}: `{row['command']}`")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({**info, "hf_folder": hf_folder, "gguf_file": gguf_file, "rows": rows}, f, indent=2)
-    return 1 if any("failed" in r or r.get("report", {}).get("failed") for r in rows) else 0
+    return report(info, rows, format_table(rows), log_dir, "key", args.json_out,
+                  {"hf_folder": hf_folder, "gguf_file": gguf_file})
 
 
 if __name__ == "__main__":

@@ -347,20 +347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default="", help="server logs (default: a new temporary folder)")
     p.add_argument("--json-out", default=None, help="also write everything as JSON to this file")
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if unknown := sorted(set(args.systems) - set(SYSTEMS)):
-        p.error(f"--systems: unknown {unknown}; known: {SYSTEMS}")
-    try:
-        args.concurrency = peers._int_list(args.concurrency)
-        args.num_prompts = peers._int_list(args.num_prompts)
-    except ValueError as exc:
-        p.error(f"--concurrency/--num-prompts: {exc}")
-    if len(args.num_prompts) == 1:
-        args.num_prompts *= len(args.concurrency)
-    if not args.concurrency or len(args.num_prompts) != len(args.concurrency):
-        p.error("--num-prompts: give one value, or one per --concurrency value")
-    if min(args.concurrency + args.num_prompts + [args.num_spec_tokens, args.max_tokens]) < 1:
-        p.error("--concurrency, --num-prompts, --num-spec-tokens, --max-tokens: values must be >= 1")
+    peers.check_pass_args(p, args, SYSTEMS)
+    if min(args.num_spec_tokens, args.max_tokens) < 1:
+        p.error("--num-spec-tokens, --max-tokens: values must be >= 1")
     return args
 
 
@@ -368,14 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="aserve-spec-")
     os.makedirs(log_dir, exist_ok=True)
-    rows = []
-    for system in plan(args):
-        if system.skipped:
-            rows.append({"system": system.key, "weights": system.weights, "skipped": system.skipped})
-            continue
-        for concurrency, num_prompts in zip(args.concurrency, args.num_prompts, strict=True):
-            print(f"{system.key}: c={concurrency}, {num_prompts} prompts ...", file=sys.stderr, flush=True)
-            rows.append(run_pass(system, args, concurrency, num_prompts, log_dir))
+    rows = peers.run_systems(plan(args), args, log_dir, run_pass,
+                             lambda s: {"system": s.key, "weights": s.weights, "skipped": s.skipped})
     info = {
         "cpu": peers.cpu_summary(peers._read_cpuinfo()),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -384,16 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": (f"{len(PROMPTS)} input-grounded chat prompts, at most {args.max_tokens} output tokens, "
                      f"greedy, EOS honoured, K={args.num_spec_tokens}; ITL per output token"),
     }
-    print("\n".join(f"{k}: {v}" for k, v in info.items()))
-    print(f"server logs: {log_dir}\n")
-    print(format_table(rows))
-    for row in rows:
-        if "command" in row:
-            print(f"- {row['system']} c={row['concurrency']}: `{row['command']}`")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({**info, "prompts": PROMPTS, "rows": rows}, f, indent=2)
-    return 1 if any("failed" in r or r.get("report", {}).get("failed") for r in rows) else 0
+    return peers.report(info, rows, format_table(rows), log_dir, "system", args.json_out, {"prompts": PROMPTS})
 
 
 if __name__ == "__main__":
