@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from aserve.outputs import PoolingRequestOutput
-from aserve.server.errors import bad_request, decode_body
-from aserve.server.pooling import answer, make_params, normalize_inputs, require_pooling, submit
+from aserve.server.errors import bad_request
+from aserve.server.pooling import answer, make_params, normalize_inputs, open_pooling_call, submit
 from aserve.server.pooling_protocol import (
     ENCODING_FORMATS,
     ClassificationData,
@@ -35,7 +35,7 @@ from aserve.server.pooling_protocol import (
     EmbeddingResponse,
     PoolingUsage,
 )
-from aserve.server.state import ServerState, get_state
+from aserve.server.state import ServerState
 
 _embedding_decoder = msgspec.json.Decoder(EmbeddingRequest)
 _classification_decoder = msgspec.json.Decoder(ClassificationRequest)
@@ -62,11 +62,8 @@ def base64_embedding(out: PoolingRequestOutput) -> str:
 
 
 async def create_embedding(request: Request) -> Response:
-    state = get_state(request)
-    deadline = state.request_deadline()
-    req = decode_body(await request.body(), _embedding_decoder)
-    model = state.check_model(req.model)
-    require_pooling(state, "/v1/embeddings", "embed")
+    call = await open_pooling_call(request, _embedding_decoder, "/v1/embeddings", "embed")
+    state, deadline, req, model = call.state, call.deadline, call.req, call.model
     if req.encoding_format not in ENCODING_FORMATS:
         raise bad_request(f"must be 'float' or 'base64', got {req.encoding_format!r}",
                           param="encoding_format")
@@ -103,11 +100,8 @@ def class_labels(state: ServerState) -> dict[int, str]:
 
 
 async def create_classification(request: Request) -> Response:
-    state = get_state(request)
-    deadline = state.request_deadline()
-    req = decode_body(await request.body(), _classification_decoder)
-    model = state.check_model(req.model)
-    require_pooling(state, "/classify", "classify")
+    call = await open_pooling_call(request, _classification_decoder, "/classify", "classify")
+    state, deadline, req, model = call.state, call.deadline, call.req, call.model
     inputs = normalize_inputs(req.input)
     batched = isinstance(req.input, list) and inputs[0] is not req.input
     params = make_params(activation=req.activation, truncate_prompt_tokens=req.truncate_prompt_tokens,

@@ -22,9 +22,9 @@ from starlette.responses import Response
 from aserve.config.pooling import PoolingConfig
 from aserve.outputs import PoolingRequestOutput
 from aserve.pooling_params import MAX_POOLING_INPUTS, PoolingParams
-from aserve.server.errors import APIError, bad_request, engine_failure, sampling_errors_as_400
+from aserve.server.errors import APIError, bad_request, decode_body, engine_failure, sampling_errors_as_400
 from aserve.server.replies import respond
-from aserve.server.state import PromptStream, ServerState, client_id_of
+from aserve.server.state import PromptStream, ServerState, client_id_of, get_state
 
 Prompt = str | tuple[str, str] | list[int]  # a text, a text pair (cross-encoders), or token ids
 _SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
@@ -47,6 +47,28 @@ def require_generation(state: ServerState, endpoint: str) -> None:
             f"this model serves --task {pooling.task}, not text generation: {endpoint} needs a generating "
             "model (start the server with --task generate and a causal LM); this server answers "
             "/v1/embeddings, /score, /rerank and /classify")
+
+
+@dataclass
+class PoolingCall:
+    """A pooling endpoint's checked request: the server state, its deadline, the decoded body, the
+    model name it asked for and the served pooling config."""
+
+    state: ServerState
+    deadline: float | None
+    req: Any
+    model: str
+    pooling: PoolingConfig
+
+
+async def open_pooling_call(request: Request, decoder: Any, endpoint: str, kind: str) -> PoolingCall:
+    """Decodes the body, checks its `model` and that the served model can answer `endpoint` (`kind` as
+    `require_pooling`); 400s naming the field or `--task` otherwise."""
+    state = get_state(request)
+    deadline = state.request_deadline()
+    req = decode_body(await request.body(), decoder)
+    model = state.check_model(req.model)
+    return PoolingCall(state, deadline, req, model, require_pooling(state, endpoint, kind))
 
 
 def require_pooling(state: ServerState, endpoint: str, kind: str) -> PoolingConfig:

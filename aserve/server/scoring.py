@@ -22,8 +22,8 @@ from starlette.responses import Response
 from aserve.config.pooling import PoolingConfig
 from aserve.outputs import PoolingRequestOutput
 from aserve.scoring import score_pairs as pair_texts
-from aserve.server.errors import bad_request, decode_body, unsupported
-from aserve.server.pooling import PoolingBatch, answer, check_count, make_params, require_pooling, submit
+from aserve.server.errors import bad_request, unsupported
+from aserve.server.pooling import PoolingBatch, answer, check_count, make_params, open_pooling_call, submit
 from aserve.server.pooling_protocol import (
     PoolingUsage,
     RerankDocument,
@@ -35,7 +35,7 @@ from aserve.server.pooling_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from aserve.server.state import ServerState, get_state
+from aserve.server.state import ServerState
 
 _score_decoder = msgspec.json.Decoder(ScoreRequest)
 _rerank_decoder = msgspec.json.Decoder(RerankRequest)
@@ -100,11 +100,8 @@ def _usage(outputs: list[PoolingRequestOutput]) -> int:
 
 
 async def create_score(request: Request) -> Response:
-    state = get_state(request)
-    deadline = state.request_deadline()
-    req = decode_body(await request.body(), _score_decoder)
-    model = state.check_model(req.model)
-    pooling = require_pooling(state, request.url.path, "score")
+    call = await open_pooling_call(request, _score_decoder, request.url.path, "score")
+    state, deadline, req, model, pooling = call.state, call.deadline, call.req, call.model, call.pooling
     pairs = score_pairs(req.text_1, req.text_2)
     one_first = isinstance(req.text_1, str) or len(req.text_1) == 1
 
@@ -127,11 +124,8 @@ async def create_score(request: Request) -> Response:
 
 
 async def create_rerank(request: Request) -> Response:
-    state = get_state(request)
-    deadline = state.request_deadline()
-    req = decode_body(await request.body(), _rerank_decoder)
-    model = state.check_model(req.model)
-    pooling = require_pooling(state, request.url.path, "score")
+    call = await open_pooling_call(request, _rerank_decoder, request.url.path, "score")
+    state, deadline, req, model, pooling = call.state, call.deadline, call.req, call.model, call.pooling
     check_count(len(req.documents), "documents")
     pairs = [(req.query, doc) for doc in req.documents]
     batch, scores_of = await _submit_scores(
