@@ -352,12 +352,12 @@ class Scheduler:
                     req.num_computed_tokens -= len(verified) + 1 - len(tokens)
                     self.drafts.observe(verified, tokens)
             num_kept, status = req.append_step_tokens(tokens, self.max_model_len)
-            req.spec_token_ids = drafts.get(req_id, []) if status is None and drafts else []
-            lps = logprobs[i] if logprobs else None
+            if drafts or req.spec_token_ids:  # the next step's drafts; the verified ones are spent
+                req.spec_token_ids = drafts.get(req_id, []) if status is None else []
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
                 new_token_ids=tokens if num_kept == len(tokens) else tokens[:num_kept],
-                new_logprobs=lps[:num_kept] if lps else [],
+                new_logprobs=logprobs[i][:num_kept] if logprobs and logprobs[i] else [],
                 new_prompt_logprobs=prompt_logprobs.get(req_id) if prompt_logprobs else None,
                 finish_reason=RequestStatus.finish_reason(status) if status is not None else None,
                 stop_reason=req.stop_reason,
