@@ -134,7 +134,6 @@ class ServerState:
     args: ServerArgs
     model_config: ModelConfig
     tokenizer: Any
-    renderer: ChatRenderer
     metrics: PrometheusStatLogger
     drain_rate: DrainRate
     system_fingerprint: str
@@ -179,7 +178,6 @@ class ServerState:
             args=args,
             model_config=model_config,
             tokenizer=tokenizer,
-            renderer=ChatRenderer(tokenizer, template),
             metrics=metrics,
             drain_rate=DrainRate(),
             system_fingerprint=f"fp_aserve_{digest[:10]}",
