@@ -30,10 +30,13 @@ class StartupError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     """Returns 0 after a graceful shutdown; 2 for bad arguments or a busy port (found before the model
-    loads); 1 if the engine fails. `aserve bench ...` runs aserve.bench.cli instead (its own codes)."""
+    loads); 1 if the engine fails. `aserve bench ...` and `aserve quantize ...` run aserve.bench.cli and
+    aserve.quantize.cli instead (their own codes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return importlib.import_module("aserve.bench.cli").main(argv[1:])  # lazily: it may import torch
+    if argv[:1] == ["quantize"]:
+        return importlib.import_module("aserve.quantize.cli").main(argv[1:])
     engine_args, server_args = parse_args(argv)
     configure_logging(server_args)
     if server_args.chat_template:
