@@ -27,7 +27,13 @@ from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.observability import validate_observability_args
 from aserve.config.pooling import validate_pooling_args
-from aserve.config.quantization import CHECKPOINT_METHODS, METHOD_ALIASES, REFUSED_METHODS, normalize_method
+from aserve.config.quantization import (
+    CHECKPOINT_METHODS,
+    METHOD_ALIASES,
+    REFUSED_METHODS,
+    SMOOTH_QUANT,
+    normalize_method,
+)
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
 from aserve.config.schema import AserveConfig, StructuredOutputsConfig
 from aserve.config.speculative import validate_speculative_args
@@ -47,8 +53,9 @@ _CONFIG_FORMATS = ("auto", "hf")
 SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # `gguf` is vLLM's name; `int4` / `int8` (weight-only, quantized at load) are aserve extensions; gptq / awq /
-# compressed-tensors read a quantized checkpoint (aserve/config/quantization.py, which also holds the aliases).
-QUANTIZATION_METHODS = ("gguf", "int4", "int8", *CHECKPOINT_METHODS, *METHOD_ALIASES)
+# compressed-tensors read a quantized checkpoint (aserve/config/quantization.py, which also holds the aliases);
+# smooth_quant (seed 004's name) names a compressed-tensors W8A8 checkpoint.
+QUANTIZATION_METHODS = ("gguf", "int4", "int8", *CHECKPOINT_METHODS, *METHOD_ALIASES, SMOOTH_QUANT)
 # EngineArgs fields limited to a set of values: (field, allowed, how errors name them; None = the tuple).
 _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("dtype", DTYPE_CHOICES, None),

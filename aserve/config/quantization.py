@@ -4,17 +4,31 @@ into a frozen `QuantSpec` at start-up so a format or option that is not built is
 weight is read.
 
 Methods (the README's quantization table lists each with its kernel and test):
-  checkpoint formats  gptq (4-bit; 8-bit served dequantized), awq (GEMM packing), compressed-tensors
-                      (`pack-quantized` W4A16 / W8A16, int weights, group / channel strategy), fp8
-                      (float8_e4m3fn weights, per-tensor / per-channel / `weight_block_size` scales)
+  checkpoint formats  gptq (4-bit; 8-bit channel-wise symmetric on the int8 kernel, other 8-bit served
+                      dequantized), awq (GEMM packing), fp8 (float8_e4m3fn weights, per-tensor /
+                      per-channel / `weight_block_size` scales), compressed-tensors (one config group
+                      targeting Linear), by its `format`:
+                        `pack-quantized`   W4A16 / W8A16 int weights, group / channel strategy (spec method
+                                           "compressed-tensors"; 8-bit channel-wise symmetric layers on the
+                                           int8 weight-only kernel, `_weight_int8pack_mm`)
+                        `int-quantized`    W8A8 int8 (SmoothQuant / GPTQ W8A8): int8 weights, channel or
+                                           tensor scales, symmetric int8 activations, dynamic per token or
+                                           static per tensor (`input_scale`); spec method "w8a8", served by
+                                           `aserve/model/quantization/w8a8.py` (`torch._int_mm`)
+                        `float-quantized`  FP8 (FP8_DYNAMIC / FP8 / FP8_BLOCK): spec method "fp8", served as
+                                           `quant_method: fp8` checkpoints are (weight-only on CPU)
+                      `ignore` entries are module names, or `re:<regex>` matched from the name's start.
   load-time           int4, int8 (`weight_only_int8` is seed 004's name for int8), gguf, fp8 (online
                       `--quantization fp8` of a float checkpoint)
-Everything else named here is refused with the reason.
+`-q smooth_quant` (seed 004's name) names a compressed-tensors W8A8 int8 checkpoint; `-q weight_only_int8`
+also accepts a compressed-tensors 8-bit weight-only one. Everything else named here is refused with the
+reason.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +44,6 @@ METHOD_ALIASES = {"weight_only_int8": "int8", "gptq_marlin": "gptq", "awq_marlin
 REFUSED_METHODS = {
     "fbgemm_fp8": "FBGEMM FP8 checkpoints are not implemented (quant_method 'fp8' checkpoints are)",
     "bitsandbytes": "bitsandbytes (NF4 / int8) is not implemented yet",
-    "smooth_quant": "W8A8 (SmoothQuant) is not implemented yet",
     "squeezellm": "SqueezeLLM is not implemented",
     "aqlm": "AQLM is not implemented", "hqq": "HQQ is not implemented", "exl2": "EXL2 is not implemented",
     "marlin": "the Marlin checkpoint format is not implemented (use the GPTQ checkpoint it was made from)",
@@ -38,7 +51,11 @@ REFUSED_METHODS = {
     "deepspeedfp": "DeepSpeed FP is not implemented", "experts_int8": "experts_int8 is not implemented",
     "modelopt": "ModelOpt checkpoints are not implemented", "quark": "Quark checkpoints are not implemented",
 }
-ALL_METHOD_NAMES = (*CHECKPOINT_METHODS, *LOAD_TIME_METHODS, *METHOD_ALIASES, *REFUSED_METHODS)
+# Seed 004's name of a checkpoint kind: accepted as `--quantization` with such a checkpoint only.
+SMOOTH_QUANT = "smooth_quant"
+SMOOTH_QUANT_HOWTO = ("SmoothQuant needs a W8A8 checkpoint (compressed-tensors int-quantized); make one with "
+                      "`aserve quantize -i MODEL -o OUT --quant-type smooth_quant` and serve OUT")
+ALL_METHOD_NAMES = (*CHECKPOINT_METHODS, *LOAD_TIME_METHODS, *METHOD_ALIASES, SMOOTH_QUANT, *REFUSED_METHODS)
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
 
@@ -47,15 +64,27 @@ class QuantSpec:
     """A checkpoint format's parameters, validated. Weights: `w = (q - zero) * scale` per group of
     `group_size` input columns (-1: one group over the whole input), `q` in 0..2**bits-1."""
 
-    method: str  # "gptq" | "awq" | "compressed-tensors"
+    # Which reader / Linear method serves it: "gptq" | "awq" | "compressed-tensors" (pack-quantized int) |
+    # "fp8" (fp8 checkpoints, compressed-tensors float-quantized) | "w8a8" (compressed-tensors int-quantized).
+    method: str
     bits: int
     group_size: int
     desc_act: bool = False  # gptq: g_idx orders the input columns (act-order)
     sym: bool = True
     gptq_v1_zeros: bool = False  # gptq v1 checkpoints store zero - 1
-    ignore: tuple[str, ...] = ()  # module names left in float (AWQ's modules_to_not_convert, c-t's ignore)
+    # Module names left in float (AWQ's modules_to_not_convert, fp8's ignored_layers, c-t's ignore); an
+    # entry "re:<regex>" names every module the regex matches from the start of its name (`ignores`).
+    ignore: tuple[str, ...] = ()
     block_size: tuple[int, int] | None = None  # fp8: weight_block_size [rows, cols] of the block scales
-    activation_scheme: str = ""  # fp8: "dynamic" | "static" (activations stay unquantized on CPU)
+    # fp8: "dynamic" | "static" (activations stay unquantized on CPU); w8a8: "dynamic" (int8 per token) |
+    # "static" (int8 per tensor, the checkpoint's `input_scale`).
+    activation_scheme: str = ""
+
+    def ignores(self, module: str) -> bool:
+        """Whether checkpoint module name `module` is named by `ignore` (equal, or an `re:` entry's regex
+        matches at its start, as vLLM and compressed-tensors match)."""
+        return any(re.match(entry[3:], module) if entry.startswith("re:") else entry == module
+                   for entry in self.ignore)
 
 
 def normalize_method(name: str | None) -> str | None:
@@ -95,6 +124,8 @@ def resolve_quantization(flag: str | None, hf_cfg: dict[str, Any], model_path: s
     if qc is None:
         if flagged == "fp8":  # online: quantize the float checkpoint's Linear weights at load
             return flagged, None
+        require(flagged != SMOOTH_QUANT, "quantization",
+                f"{flag!r}: {model_path} is a float checkpoint (no quantization_config); {SMOOTH_QUANT_HOWTO}")
         require(flagged not in CHECKPOINT_METHODS, "quantization",
                 f"{flag!r} needs a checkpoint quantized in that format, but {model_path} has no quantization_config "
                 "in config.json (nor a quantize_config.json); for a float checkpoint use int4 / int8")
@@ -107,14 +138,29 @@ def resolve_quantization(flag: str | None, hf_cfg: dict[str, Any], model_path: s
     if ckpt not in CHECKPOINT_METHODS:
         raise ConfigError(f"config.json quantization_config.quant_method {ckpt!r} is not implemented; "
                           f"implemented checkpoint formats: {CHECKPOINT_METHODS}")
-    if flagged is not None and flagged != ckpt:
-        raise ConfigError(f"--quantization {flag!r} does not match the checkpoint's quant_method {ckpt!r} "
-                          f"(config.json quantization_config); drop the flag or pass --quantization {ckpt}")
-    require(tensor_parallel_size == 1, "quantization",
-            f"{ckpt!r} checkpoints are not implemented with --tensor-parallel-size > 1 yet")
     parse = {"gptq": _gptq_spec, "awq": _awq_spec, "compressed-tensors": _compressed_tensors_spec,
              "fp8": _fp8_spec}[ckpt]
-    return ckpt, parse(qc)
+    spec = parse(qc)
+    if flagged is not None and not _flag_fits(flagged, ckpt, spec):
+        fmt = f" ({qc.get('format')!r} format)" if ckpt == "compressed-tensors" else ""
+        hint = f"; {SMOOTH_QUANT_HOWTO}" if flagged == SMOOTH_QUANT else ""
+        raise ConfigError(f"--quantization {flag!r} does not match the checkpoint's quant_method {ckpt!r}{fmt} "
+                          f"(config.json quantization_config); drop the flag or pass --quantization {ckpt}{hint}")
+    require(tensor_parallel_size == 1, "quantization",
+            f"{ckpt!r} checkpoints are not implemented with --tensor-parallel-size > 1 yet")
+    return ckpt, spec
+
+
+def _flag_fits(flagged: str, ckpt: str, spec: QuantSpec) -> bool:
+    """Whether `--quantization` (normalized) names checkpoint `ckpt` parsed as `spec`: its own method, or
+    a name of the scheme it holds (smooth_quant: W8A8 int8; int8 / weight_only_int8: 8-bit weight-only
+    int; fp8: a compressed-tensors FP8 checkpoint)."""
+    if flagged == ckpt:
+        return True
+    if ckpt != "compressed-tensors":
+        return False
+    return {SMOOTH_QUANT: spec.method == "w8a8", "int8": spec.method == ckpt and spec.bits == 8,
+            "fp8": spec.method == "fp8"}.get(flagged, False)
 
 
 def _refuse(method: str, what: str) -> ConfigError:
@@ -151,33 +197,100 @@ def _awq_spec(qc: dict[str, Any]) -> QuantSpec:
 
 
 def _compressed_tensors_spec(qc: dict[str, Any]) -> QuantSpec:
-    fmt = str(qc.get("format", "")).lower()
-    if fmt != "pack-quantized":
-        raise _refuse("compressed-tensors", f"format {fmt!r} (built: 'pack-quantized' weight-only int)")
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse("compressed-tensors", f"{len(groups)} config_groups (built: one)")
     (group,) = groups.values()
-    if group.get("format") not in (None, "pack-quantized"):
-        raise _refuse("compressed-tensors", f"config group format {group.get('format')!r}")
+    fmt = str(group.get("format") or qc.get("format") or "").lower()
+    if fmt not in _CT_FORMATS:
+        raise _refuse("compressed-tensors", f"format {fmt!r} (built: {', '.join(map(repr, _CT_FORMATS))})")
     targets = group.get("targets") or ["Linear"]
     if list(targets) != ["Linear"]:
         raise _refuse("compressed-tensors", f"targets {targets} (built: ['Linear'])")
-    if group.get("input_activations") or group.get("output_activations"):
-        raise _refuse("compressed-tensors", "activation quantization (W8A8 / FP8)")
+    if group.get("output_activations"):
+        raise _refuse("compressed-tensors", "output_activations")
+    if qc.get("kv_cache_scheme"):
+        raise _refuse("compressed-tensors", "kv_cache_scheme (quantized KV cache scales)")
+    ignore = tuple(str(entry) for entry in qc.get("ignore") or ())
+    for entry in ignore:
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as exc:
+                raise ConfigError(f"config.json quantization_config (compressed-tensors): ignore entry {entry!r} "
+                                  f"is not a valid regex ({exc})") from None
     w = group.get("weights") or {}
-    bits, kind, strategy = int(w.get("num_bits", 0)), str(w.get("type", "int")), str(w.get("strategy", ""))
-    if kind != "int" or bits not in (4, 8):
-        raise _refuse("compressed-tensors", f"{kind} {bits}-bit weights (built: int 4 / 8)")
-    if strategy not in ("group", "channel"):
-        raise _refuse("compressed-tensors", f"weight strategy {strategy!r} (built: 'group', 'channel')")
-    if w.get("actorder") not in (None, False, "static"):
-        raise _refuse("compressed-tensors", f"actorder {w.get('actorder')!r}")
     if w.get("dynamic"):
         raise _refuse("compressed-tensors", "dynamic weight quantization")
+    if w.get("actorder") not in (None, False, "static"):
+        raise _refuse("compressed-tensors", f"actorder {w.get('actorder')!r}")
+    return _CT_FORMATS[fmt](group, w, ignore)
+
+
+def _ct_pack_quantized(group: dict[str, Any], w: dict[str, Any], ignore: tuple[str, ...]) -> QuantSpec:
+    if group.get("input_activations"):
+        raise _refuse("compressed-tensors", "activation quantization with pack-quantized weights (W4A8)")
+    bits, kind, strategy = int(w.get("num_bits", 0)), str(w.get("type", "int")), str(w.get("strategy", ""))
+    if kind != "int" or bits not in (4, 8):
+        raise _refuse("compressed-tensors", f"{kind} {bits}-bit pack-quantized weights (built: int 4 / 8)")
+    if strategy not in ("group", "channel"):
+        raise _refuse("compressed-tensors", f"weight strategy {strategy!r} (built: 'group', 'channel')")
     group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
-    return QuantSpec("compressed-tensors", bits, group_size, sym=bool(w.get("symmetric", True)),
-                     ignore=tuple(qc.get("ignore") or ()))
+    return QuantSpec("compressed-tensors", bits, group_size, sym=bool(w.get("symmetric", True)), ignore=ignore)
+
+
+def _ct_int_quantized(group: dict[str, Any], w: dict[str, Any], ignore: tuple[str, ...]) -> QuantSpec:
+    bits, kind, strategy = int(w.get("num_bits", 0)), str(w.get("type", "int")), str(w.get("strategy", ""))
+    if kind != "int" or bits != 8:
+        raise _refuse("compressed-tensors", f"int-quantized {kind} {bits}-bit weights (built: int 8)")
+    if not w.get("symmetric", True):
+        raise _refuse("compressed-tensors", "asymmetric int-quantized weights (built: symmetric)")
+    if strategy not in ("channel", "tensor"):
+        raise _refuse("compressed-tensors", f"int-quantized weight strategy {strategy!r} (built: 'channel', 'tensor')")
+    act = group.get("input_activations")
+    if not act:
+        raise _refuse("compressed-tensors", "int-quantized weights without input_activations (W8A16 as "
+                      "pack-quantized is built)")
+    a_bits, a_kind, a_strategy = int(act.get("num_bits", 0)), str(act.get("type", "int")), str(act.get("strategy", ""))
+    if a_kind != "int" or a_bits != 8:
+        raise _refuse("compressed-tensors", f"{a_kind} {a_bits}-bit input_activations with int8 weights "
+                      "(built: int 8)")
+    if not act.get("symmetric", True):
+        raise _refuse("compressed-tensors", "asymmetric input_activations (built: symmetric)")
+    dynamic = bool(act.get("dynamic", False))
+    if (dynamic, a_strategy) not in ((True, "token"), (False, "tensor")):
+        raise _refuse("compressed-tensors", f"{'dynamic' if dynamic else 'static'} input_activations with strategy "
+                      f"{a_strategy!r} (built: dynamic 'token', static 'tensor')")
+    return QuantSpec("w8a8", 8, -1, ignore=ignore, activation_scheme="dynamic" if dynamic else "static")
+
+
+def _ct_float_quantized(group: dict[str, Any], w: dict[str, Any], ignore: tuple[str, ...]) -> QuantSpec:
+    bits, kind, strategy = int(w.get("num_bits", 0)), str(w.get("type", "float")), str(w.get("strategy", ""))
+    if kind != "float" or bits != 8:
+        raise _refuse("compressed-tensors", f"float-quantized {kind} {bits}-bit weights (built: float 8, e4m3)")
+    block = None
+    if strategy == "block":
+        structure = w.get("block_structure")
+        if not isinstance(structure, (list, tuple)) or len(structure) != 2 or any(int(b) <= 0 for b in structure):
+            raise ConfigError("config.json quantization_config (compressed-tensors): invalid block_structure "
+                              f"{structure!r}")
+        block = (int(structure[0]), int(structure[1]))
+    elif strategy not in ("channel", "tensor"):
+        raise _refuse("compressed-tensors", f"float-quantized weight strategy {strategy!r} "
+                      "(built: 'channel', 'tensor', 'block')")
+    act = group.get("input_activations")
+    scheme = "dynamic"
+    if act:
+        if str(act.get("type", "float")) != "float" or int(act.get("num_bits", 0)) != 8:
+            raise _refuse("compressed-tensors", f"{act.get('type')} {act.get('num_bits')}-bit input_activations "
+                          "with fp8 weights (built: float 8)")
+        scheme = "dynamic" if act.get("dynamic") else "static"
+    return QuantSpec("fp8", 8, -1 if block is None else block[1], ignore=ignore, block_size=block,
+                     activation_scheme=scheme)
+
+
+_CT_FORMATS = {"pack-quantized": _ct_pack_quantized, "int-quantized": _ct_int_quantized,
+               "float-quantized": _ct_float_quantized}
 
 
 def _fp8_spec(qc: dict[str, Any]) -> QuantSpec:

@@ -3,7 +3,8 @@
 `config.model.model_path` is already a local Hugging Face folder (see `aserve.model_source`).
 The loader also gives the model's Linear layers their quantization methods (`--quantization`):
 `gguf` keeps a GGUF file's Q4_0/Q4_1 weights in 4 bits (read from the file the folder was converted
-from); `int4` / `int8` quantize a float checkpoint after loading it.
+from); `int4` / `int8` quantize a float checkpoint after loading it; a quantized checkpoint's
+`QuantSpec.method` picks its reader (fp8, w8a8, or gptq / awq / compressed-tensors pack-quantized).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
     elif config.load.quant_spec is not None and config.load.quant_spec.method == "fp8":  # an FP8 checkpoint
         model.load_weights(_fp8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
                                                    load_format))
+    elif config.load.quant_spec is not None and config.load.quant_spec.method == "w8a8":  # c-t int-quantized
+        model.load_weights(_w8a8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
+                                                    load_format))
     elif config.load.quant_spec is not None:  # a GPTQ / AWQ / compressed-tensors checkpoint
         model.load_weights(_checkpoint_quantized_weights(model, config.load.quant_spec, config.model.model_path,
                                                          load_format))
@@ -148,15 +152,14 @@ def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
                                   load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the checkpoint method on the layers the checkpoint quantizes; the tensors to load, each
     quantized module's in the method's form (aserve/model/quantization/checkpoint_formats.py)."""
-    from safetensors import safe_open
-
     from aserve.model.quantization import checkpoint_formats
 
     kind, files = weight_files(model_path, load_format)
     if kind != "safetensors":
         raise ValueError(f"--quantization {spec.method}: quantized checkpoints are read from safetensors only")
-    names = [n for path in files for n in safe_open(path, framework="pt", device="cpu").keys()]  # noqa: SIM118
-    targets = checkpoint_formats.assign_methods(model, spec, checkpoint_formats.quantized_prefixes(names, spec))
+    names = _tensor_names(files)
+    targets = checkpoint_formats.assign_methods(model, spec, _not_ignored(
+        spec, checkpoint_formats.quantized_prefixes(names, spec)))
     logger.info("--quantization %s: %d-bit, group size %d%s: %d of %d Linear layers quantized in the checkpoint",
                 spec.method, spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)))
@@ -167,21 +170,52 @@ def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
                            load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the fp8 checkpoint method on the layers the checkpoint stores in fp8; the tensors to load
     (aserve/model/quantization/fp8.py)."""
-    from safetensors import safe_open
-
     from aserve.model.quantization import fp8
 
     kind, files = weight_files(model_path, load_format)
     if kind != "safetensors":
         raise ValueError("--quantization fp8: fp8 checkpoints are read from safetensors only")
-    names = [n for path in files for n in safe_open(path, framework="pt", device="cpu").keys()]  # noqa: SIM118
-    targets = fp8.assign_fp8_methods(model, spec.block_size, fp8.fp8_prefixes(names))
+    prefixes = _not_ignored(spec, fp8.fp8_prefixes(_tensor_names(files)))
+    targets = fp8.assign_fp8_methods(model, spec.block_size, prefixes)
     logger.info("--quantization fp8: %s scales, %s activations (served unquantized): %d of %d Linear layers fp8 "
                 "in the checkpoint; kernel: %s",
                 f"{list(spec.block_size)} block" if spec.block_size else "per-tensor / per-channel",
                 spec.activation_scheme, len({id(layer) for layer, _ in targets.values()}),
                 len(assign.linear_layers(model)), fp8.KERNEL)
     return fp8.fp8_weights(iterate_weights(model_path, load_format), spec.block_size, targets)
+
+
+def _w8a8_checkpoint_weights(model: nn.Module, spec, model_path: str,
+                             load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Set the W8A8 int8 method on the layers a compressed-tensors `int-quantized` checkpoint quantizes; the
+    tensors to load (aserve/model/quantization/w8a8.py)."""
+    from aserve.model.quantization import w8a8
+
+    kind, files = weight_files(model_path, load_format)
+    if kind != "safetensors":
+        raise ValueError("--quantization compressed-tensors: W8A8 checkpoints are read from safetensors only")
+    static = spec.activation_scheme == "static"
+    targets = w8a8.assign_w8a8_methods(model, static, _not_ignored(spec, w8a8.w8a8_prefixes(_tensor_names(files))))
+    logger.info("--quantization compressed-tensors: W8A8 int8, %s activations: %d of %d Linear layers int8 in the "
+                "checkpoint; kernel: %s", "static per-tensor" if static else "dynamic per-token",
+                len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)), w8a8.KERNEL)
+    return w8a8.w8a8_weights(iterate_weights(model_path, load_format), static, targets)
+
+
+def _tensor_names(files: list[str]) -> list[str]:
+    from safetensors import safe_open
+
+    return [n for path in files for n in safe_open(path, framework="pt", device="cpu").keys()]  # noqa: SIM118
+
+
+def _not_ignored(spec, prefixes: set[str]) -> set[str]:
+    """`prefixes` (the checkpoint's quantized modules); ValueError naming any the config's ignore list
+    names (`QuantSpec.ignores`): such a module must be stored in float, which is how it is left."""
+    clash = sorted(p for p in prefixes if spec.ignores(p))
+    if clash:
+        raise ValueError(f"{spec.method} checkpoint: modules {clash[:4]} are named by the quantization_config's "
+                         f"ignore list {list(spec.ignore)} but stored quantized")
+    return prefixes
 
 
 def _read_tensor(files: list[str], name: str) -> torch.Tensor:

@@ -18,6 +18,25 @@ CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "i
                 "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
 
 
+
+def _ct(fmt: str, weights: dict, acts: dict | None, **top) -> dict:
+    """A compressed-tensors config as llm-compressor writes it (one group targeting Linear)."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt, "weights": weights,
+                                          "input_activations": acts, "output_activations": None}}, **top}
+
+
+INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+                "actorder": "static"}
+INT8_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+INT8_STATIC = {**INT8_TOKEN, "strategy": "tensor", "dynamic": False}
+FP8_CHANNEL = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+FP8_TOKEN = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+CT_W8A8 = _ct("int-quantized", INT8_CHANNEL, INT8_TOKEN)
+CT_FP8 = _ct("float-quantized", FP8_CHANNEL, FP8_TOKEN)
+CT_W8A16 = _ct("pack-quantized", INT8_CHANNEL, None)
+
+
 def _load(path: str, **kwargs):
     return EngineArgs(model=path, device="cpu", **kwargs).create_config().load
 
@@ -35,6 +54,18 @@ def _load(path: str, **kwargs):
      QuantSpec("fp8", 8, -1, ignore=("lm_head",), activation_scheme="static")),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8",
      QuantSpec("fp8", 8, 128, block_size=(128, 128), activation_scheme="dynamic")),
+    (CT_W8A8, "compressed-tensors", QuantSpec("w8a8", 8, -1, ignore=("lm_head",), activation_scheme="dynamic")),
+    (_ct("int-quantized", {**INT8_CHANNEL, "strategy": "tensor"}, INT8_STATIC, ignore=["re:.*lm_head"]),
+     "compressed-tensors", QuantSpec("w8a8", 8, -1, ignore=("re:.*lm_head",), activation_scheme="static")),
+    (CT_FP8, "compressed-tensors", QuantSpec("fp8", 8, -1, ignore=("lm_head",), activation_scheme="dynamic")),
+    (_ct("float-quantized", {**FP8_CHANNEL, "strategy": "tensor"}, {**FP8_TOKEN, "strategy": "tensor",
+                                                                    "dynamic": False}),
+     "compressed-tensors", QuantSpec("fp8", 8, -1, ignore=("lm_head",), activation_scheme="static")),
+    (_ct("float-quantized", {**FP8_CHANNEL, "strategy": "block", "block_structure": [128, 64]},
+         {**FP8_TOKEN, "strategy": "group", "group_size": 128}),
+     "compressed-tensors", QuantSpec("fp8", 8, 64, ignore=("lm_head",), block_size=(128, 64),
+                                     activation_scheme="dynamic")),
+    (CT_W8A16, "compressed-tensors", QuantSpec("compressed-tensors", 8, -1, ignore=("lm_head",))),
 ])
 def test_the_checkpoint_selects_the_method(write_model_dir, qc, method, spec):
     load = _load(write_model_dir(quantization_config=qc))
@@ -99,8 +130,29 @@ def test_a_mismatch_names_both(write_model_dir, qc, flag, named):
     ({**AWQ, "version": "gemv"}, "'gemv'"),
     ({**AWQ, "version": "exllama"}, "'exllama'"),
     ({**AWQ, "zero_point": False}, "zero_point"),
-    ({**CT_W4A16, "format": "int-quantized"}, "'int-quantized'"),
-    ({**CT_W4A16, "format": "float-quantized"}, "'float-quantized'"),
+    ({**CT_W4A16, "format": "naive-quantized"}, "'naive-quantized'"),
+    ({**CT_W4A16, "format": "int-quantized"}, "int-quantized int 4-bit"),
+    ({**CT_W4A16, "format": "float-quantized"}, "float-quantized int 4-bit"),
+    (_ct("int-quantized", INT8_CHANNEL, {**INT8_TOKEN, "symmetric": False}), "asymmetric input_activations"),
+    (_ct("int-quantized", {**INT8_CHANNEL, "symmetric": False}, INT8_TOKEN), "asymmetric int-quantized weights"),
+    (_ct("int-quantized", {**INT8_CHANNEL, "strategy": "group", "group_size": 128}, INT8_TOKEN), "strategy 'group'"),
+    (_ct("int-quantized", {**INT8_CHANNEL, "strategy": "block"}, INT8_TOKEN), "strategy 'block'"),
+    (_ct("int-quantized", INT8_CHANNEL, {**INT8_TOKEN, "strategy": "tensor"}),
+     "dynamic input_activations with strategy 'tensor'"),
+    (_ct("int-quantized", INT8_CHANNEL, {**INT8_TOKEN, "strategy": "group"}), "strategy 'group'"),
+    (_ct("int-quantized", INT8_CHANNEL, None), "without input_activations"),
+    (_ct("int-quantized", INT8_CHANNEL, FP8_TOKEN), "float 8-bit input_activations"),
+    (_ct("float-quantized", {**FP8_CHANNEL, "strategy": "group", "group_size": 32}, FP8_TOKEN),
+     "float-quantized weight strategy 'group'"),
+    (_ct("float-quantized", {**FP8_CHANNEL, "num_bits": 4}, FP8_TOKEN), "float 4-bit"),
+    (_ct("float-quantized", {**FP8_CHANNEL, "strategy": "block", "block_structure": None}, FP8_TOKEN),
+     "block_structure"),
+    ({**CT_W8A8, "config_groups": {"a": CT_W8A8["config_groups"]["group_0"],
+                                   "b": CT_W8A16["config_groups"]["group_0"]}}, "2 config_groups"),
+    ({**CT_W8A8, "config_groups": {"g": {**CT_W8A8["config_groups"]["group_0"], "output_activations": INT8_TOKEN}}},
+     "output_activations"),
+    ({**CT_W8A8, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**CT_W8A8, "ignore": ["re:model.layers.(0"]}, "'re:model.layers.(0'"),
     ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
                                           "input_activations": {"num_bits": 8}}}}, "activation"),
     ({"quant_method": "mystery"}, "'mystery'"),
@@ -122,3 +174,48 @@ def test_flags_not_built_are_refused(model_dir, kwargs):
 def test_quantized_checkpoints_with_tensor_parallelism_are_refused(write_model_dir):
     with pytest.raises(ConfigError, match="^--quantization.*tensor-parallel"):
         _load(write_model_dir(quantization_config=GPTQ), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("qc, flag, method", [
+    (CT_W8A8, "smooth_quant", "w8a8"),  # seed 004's name of a W8A8 checkpoint
+    (_ct("int-quantized", INT8_CHANNEL, INT8_STATIC), "smooth_quant", "w8a8"),
+    (CT_W8A8, "compressed-tensors", "w8a8"),
+    (CT_W8A16, "weight_only_int8", "compressed-tensors"),  # seed 004's int8 name, an 8-bit weight-only checkpoint
+    (CT_W8A16, "int8", "compressed-tensors"),
+    (CT_FP8, "fp8", "fp8"),
+])
+def test_scheme_names_of_compressed_tensors_checkpoints_are_accepted(write_model_dir, qc, flag, method):
+    load = _load(write_model_dir(quantization_config=qc), quantization=flag)
+    assert (load.quantization, load.quant_spec.method) == ("compressed-tensors", method)
+
+
+@pytest.mark.parametrize("qc, flag, named", [
+    (GPTQ, "smooth_quant", ["'smooth_quant'", "'gptq'", "aserve quantize"]),
+    (CT_W4A16, "smooth_quant", ["'smooth_quant'", "'compressed-tensors'", "'pack-quantized'"]),
+    (CT_FP8, "smooth_quant", ["'smooth_quant'", "'compressed-tensors'", "'float-quantized'"]),
+    (CT_W4A16, "weight_only_int8", ["'weight_only_int8'", "'compressed-tensors'"]),  # 4-bit weights
+    (CT_W8A8, "weight_only_int8", ["'weight_only_int8'", "'int-quantized'"]),
+    (CT_W8A8, "fp8", ["'fp8'", "'int-quantized'"]),
+    (CT_W8A8, "gptq", ["'gptq'", "'compressed-tensors'"]),
+])
+def test_scheme_names_of_other_checkpoints_are_mismatches(write_model_dir, qc, flag, named):
+    with pytest.raises(ConfigError, match="^--quantization") as info:
+        _load(write_model_dir(quantization_config=qc), quantization=flag)
+    assert all(n in str(info.value) for n in named), str(info.value)
+
+
+def test_smooth_quant_on_a_float_checkpoint_points_to_aserve_quantize(model_dir):
+    with pytest.raises(ConfigError, match="^--quantization") as info:
+        _load(model_dir, quantization="smooth_quant")
+    message = str(info.value)
+    assert "W8A8 checkpoint" in message and "aserve quantize -i MODEL -o OUT --quant-type smooth_quant" in message
+
+
+@pytest.mark.parametrize("module, ignored", [
+    ("lm_head", True), ("model.lm_head", False),  # plain entries name a module exactly
+    ("model.layers.0.mlp.down_proj", True), ("model.layers.10.mlp.down_proj", False),
+    ("model.layers.3.self_attn.q_proj", True), ("model.layers.3.self_attn.o_proj", False),
+])
+def test_ignore_entries_are_names_or_regexes(module, ignored):
+    spec = QuantSpec("w8a8", 8, -1, ignore=("lm_head", r"re:model\.layers\.0\.", "re:.*q_proj"))
+    assert spec.ignores(module) is ignored

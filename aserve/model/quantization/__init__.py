@@ -6,10 +6,13 @@
   int4.py         `--quantization int4`: weight-only group-32 int4, quantized at load (aserve extension)
   int8.py         `--quantization int8`: weight-only per-channel int8, quantized at load (aserve extension)
   int4_cpu.py     the int4 kernel's weight form, packing and matmul (shared by gguf, int4 and checkpoint_int)
-  checkpoint_int.py      gptq / awq / compressed-tensors checkpoints: the Linear method (4-bit kernel or dequantized)
+  checkpoint_int.py      gptq / awq / compressed-tensors pack-quantized checkpoints: the Linear method (4-bit
+                         kernel, 8-bit channel-wise on the int8 kernel, or dequantized)
   checkpoint_formats.py  reading their on-disk packings into that method's form (aserve/config/quantization.py parses the config)
-  fp8.py          fp8 checkpoints (`quant_method: fp8`) and online `--quantization fp8`: float8_e4m3fn weights,
-                  dequantized per call (CPU, weight-only)
+  fp8.py          fp8 checkpoints (`quant_method: fp8`, compressed-tensors float-quantized) and online
+                  `--quantization fp8`: float8_e4m3fn weights, dequantized per call (CPU, weight-only)
+  w8a8.py         compressed-tensors int-quantized W8A8 checkpoints: int8 weights x per-row int8 activations
+                  (`torch._int_mm`)
   gguf_file.py, gguf_reader.py   reading a GGUF file's index and its 4-bit Linear weights
 
 The loader (`aserve/model/loader.py`) chooses a method per layer; model files never do.

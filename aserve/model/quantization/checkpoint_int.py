@@ -14,8 +14,12 @@ Groups are contiguous runs of `group_size` columns, the last one possibly shorte
 
 After loading, 4-bit layers the kernel takes (N % 16 == 0, K % 32 == 0, every group boundary a
 multiple of 32) go to the kernel with its groups of 32 (each format group's scale repeated over its
-32-column sub-groups, exact; offset `-zero * scale`). Any other layer (8-bit, other shapes) keeps the
-dequantized weight in the model dtype and `F.linear`, logged once per reason.
+32-column sub-groups, exact; offset `-zero * scale`). 8-bit channel-wise symmetric layers (one group,
+every zero point 128: compressed-tensors W8A16 channel, symmetric GPTQ 8-bit with group_size -1) keep
+their codes as int8 `q - 128` with per-row scales in the model dtype and multiply in the int8
+weight-only kernel (`int8.int8_linear`, `_weight_int8pack_mm`), 1 byte a weight. Any other layer
+(group-wise or asymmetric 8-bit, other shapes) keeps the dequantized weight in the model dtype and
+`F.linear`, logged once per reason.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 
 from aserve.model.quantization.base import LinearMethodBase, drop_weights, register_weight
 from aserve.model.quantization.int4_cpu import GROUP_SIZE, int4_linear, int4_packable, pack_int4
+from aserve.model.quantization.int8 import int8_linear
 
 if TYPE_CHECKING:
     from aserve.model.layers.linear import Linear
@@ -81,6 +86,10 @@ class CheckpointIntMethod(LinearMethodBase):
         drop_weights(layer)
         if perm is not None:
             layer.register_buffer("input_perm", perm, persistent=False)
+        if self.bits == 8 and scales.shape[1] == 1 and bool((zeros == 128).all()):
+            register_weight(layer, "int8_weight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous())
+            register_weight(layer, "int8_scales", scales[:, 0].to(layer.params_dtype).contiguous())
+            return
         reason = self._kernel_refusal(n, k)
         if reason is None:
             gs = k if self.group_size == -1 else self.group_size
@@ -98,7 +107,7 @@ class CheckpointIntMethod(LinearMethodBase):
     def _kernel_refusal(self, n: int, k: int) -> str | None:
         """Why the 4-bit kernel cannot take a `[n, k]` layer, or None."""
         if self.bits != 4:
-            return f"{self.bits}-bit weights have no CPU kernel yet"
+            return f"{self.bits}-bit group-wise or asymmetric weights have no CPU kernel yet"
         if not int4_packable(n, k, GROUP_SIZE):
             return f"a [{n}, {k}] weight does not fit the 4-bit kernel (N % 16, K % 32)"
         if self.group_size != -1 and self.group_size % GROUP_SIZE:
@@ -112,4 +121,7 @@ class CheckpointIntMethod(LinearMethodBase):
         weight = getattr(layer, "weight", None)
         if weight is not None:
             return F.linear(x, weight, bias)
+        q8 = getattr(layer, "int8_weight", None)
+        if q8 is not None:
+            return int8_linear(x, q8, layer.int8_scales, bias)
         return int4_linear(layer, x, GROUP_SIZE, bias)

@@ -1,5 +1,7 @@
 """FP8 (float8_e4m3fn) weights: `quant_method: fp8` checkpoints (vLLM / llm-compressor / DeepSeek / Qwen
-FP8) and online `--quantization fp8` of a float checkpoint.
+FP8), compressed-tensors `float-quantized` checkpoints (FP8_DYNAMIC / FP8 / FP8_BLOCK: the config parser
+gives them a `QuantSpec` with method "fp8"; block scales are their `weight_scale`), and online
+`--quantization fp8` of a float checkpoint.
 
 Form kept on the layer (output dim first, so a `MergedLinear` stacks q|k|v / gate|up shards along dim 0):
   `fp8_weight` float8_e4m3fn `[N, K]`  the checkpoint's codes (1 byte a weight stays resident)

@@ -1,7 +1,8 @@
 """`--quantization int8` (an aserve extension; vLLM has no such name): weight-only 8-bit, quantized at
 load time from a float checkpoint, one symmetric scale per output channel, applied with torch's
 `_weight_int8pack_mm` (CPU). Like the int4 kernel, its fp32 form costs time per row, so fp32 batches of
-more than `FP32_KERNEL_MAX_ROWS` rows (prompts) multiply by the weight dequantized on the fly."""
+more than `FP32_KERNEL_MAX_ROWS` rows (prompts) multiply by the weight dequantized on the fly. The kernel
+(`int8_linear`) also serves 8-bit channel-wise symmetric checkpoint layers (`checkpoint_int.py`)."""
 
 from __future__ import annotations
 
@@ -39,14 +40,19 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
         register_weight(layer, "int8_scales", scale.to(layer.params_dtype))
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype == torch.float32 and x2.shape[0] > FP32_KERNEL_MAX_ROWS:
-            weight = layer.int8_weight.float() * layer.int8_scales.unsqueeze(1)
-            return F.linear(x, weight, bias)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        y = torch._weight_int8pack_mm(x2, layer.int8_weight, layer.int8_scales)
-        if bias is not None:
-            y = y.add_(bias)
-        return y.reshape(*lead, y.shape[-1])
+        return int8_linear(x, layer.int8_weight, layer.int8_scales, bias)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ (q * scales[:, None]).T (+ bias)` for int8 `q [N, K]` and `scales [N]` in x's dtype (also used by
+    8-bit channel-wise checkpoint layers, `checkpoint_int.py`)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype == torch.float32 and x2.shape[0] > FP32_KERNEL_MAX_ROWS:
+        return F.linear(x, q.float() * scales.unsqueeze(1), bias)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch._weight_int8pack_mm(x2, q, scales)
+    if bias is not None:
+        y = y.add_(bias)
+    return y.reshape(*lead, y.shape[-1])
