@@ -34,8 +34,8 @@ def build_recipe(quant_type: str, group_size: int, smoothing_strength: float) ->
     `MISSING_LIBRARY` when llm-compressor is not installed."""
     try:
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-        from llmcompressor.modifiers.awq import AWQModifier
         from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+        from llmcompressor.modifiers.transform.awq import AWQModifier
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
     except ImportError as exc:
         raise ImportError(MISSING_LIBRARY) from exc
@@ -49,7 +49,8 @@ def build_recipe(quant_type: str, group_size: int, smoothing_strength: float) ->
     if quant_type == "gptq":
         return [GPTQModifier(config_groups=groups(_int_weights(4, True, group_size)), ignore=ignore)]
     if quant_type == "awq":
-        return [AWQModifier(config_groups=groups(_int_weights(4, False, group_size)), ignore=ignore)]
+        return [AWQModifier(duo_scaling="both"),  # searches scales for the quantization that follows it
+                QuantizationModifier(config_groups=groups(_int_weights(4, False, group_size)), ignore=ignore)]
     if quant_type == "weight_only_int8":
         return [QuantizationModifier(config_groups=groups(_int_weights(8, True, -1)), ignore=ignore)]
     if quant_type == "smooth_quant":
