@@ -93,7 +93,8 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "enable_expert_parallel": _refused("bool", False, "expert parallelism is not implemented (MoE experts are split by --tensor-parallel-size instead)"),
     "tokenizer_extension_path": _refused("str", None, "a vendor (AIAK) extension: custom vllm_extension.py "
                                          "tokenizers are not supported"),
-    "multi_query_mode": _refused("bool", False, "an option of AIAK's offline quantization tool, not of a server"),
+    "multi_query_mode": _refused("bool", False, "an option of the quantization tool, not of a server: "
+                                 "aserve quantize ... --multi-query-mode"),
     "max_parallel_loading_workers": _todo("int", None, "loading weights in sequential batches of workers; "
                                           "each aserve worker loads its own shard"),
     # -- issue 25's "Implement" list, not implemented yet -------------------------------------------

@@ -4,7 +4,8 @@
 names), reads its config.json and tokenizer, builds the model's layer shapes on the meta device (no
 weights), and checks: the output folder, the architecture, `--group-size` against every quantized
 Linear's input size and its `-tp` shards (without the flag: the first of 128, 64, 32 that fits), `-tp`
-against the head and MLP sizes, `--multi-query-mode`, `--sq`, and the calibration data. `PlanError` (a ValueError) names the argument at fault.
+against the head and MLP sizes, `--multi-query-mode`, `--sq`, and the calibration data. `PlanError` (a
+ValueError) names the argument at fault.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ def quantize(plan: QuantizePlan) -> QuantizeResult:
     model.eval()
     kwargs = {}
     if plan.calibration:
-        kwargs = dict(dataset=_calibration_dataset(plan.calibration), num_calibration_samples=len(plan.calibration),
-                      max_seq_length=plan.max_seq_length, shuffle_calibration_samples=False)
+        kwargs = {"dataset": _calibration_dataset(plan.calibration), "num_calibration_samples": len(plan.calibration),
+                      "max_seq_length": plan.max_seq_length, "shuffle_calibration_samples": False}
         logger.info("calibrating on %d sequences (%d tokens) from %s", len(plan.calibration),
                     sum(map(len, plan.calibration)), plan.calibration_source)
     with _without_pinned_memory():

@@ -94,7 +94,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--model": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/model/test_model_source.py::test_bad_local_paths_raise_model_source_error"},
     "--model-impl": {"seeds": "003", "status": "implemented", "test": "tests/model/test_transformers_backend.py::test_random_schedules_match_transformers"},
     "--model-loader-extra-config": {"seeds": "001 003", "status": "refused", "message": "not implemented yet"},
-    "--multi-query-mode": {"seeds": "004", "status": "refused", "message": "an option of AIAK's offline quantization tool, not"},
+    "--multi-query-mode": {"seeds": "004", "status": "refused", "message": "aserve quantize ... --multi-query-mode"},
     "--multi-step-stream-outputs": {"seeds": "003", "status": "refused", "message": "not implemented yet"},
     "--ngram-prompt-lookup-max": {"seeds": "001 002 003", "status": "implemented", "test": "tests/config/test_speculative_args.py::test_old_flags_map_onto_speculative_config"},
     "--ngram-prompt-lookup-min": {"seeds": "001 002 003", "status": "implemented", "test": "tests/config/test_speculative_args.py::test_old_flags_map_onto_speculative_config"},
