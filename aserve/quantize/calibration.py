@@ -25,13 +25,17 @@ class CalibrationError(ValueError):
     """Calibration input that cannot be used; the message names the argument."""
 
 
+def _read_lines(path: str, flag: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise CalibrationError(f"{flag}: cannot read {path!r} ({exc.strerror or exc})") from None
+
+
 def read_token_id_file(path: str, vocab_size: int) -> list[list[int]]:
     """The sequences of a token-id file (see the module docstring)."""
     flag = "--calib-token-ids"
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise CalibrationError(f"{flag}: cannot read {path!r} ({exc.strerror or exc})") from None
+    lines = _read_lines(path, flag)
     sequences = []
     for number, line in enumerate(lines, start=1):
         line = line.strip()
@@ -72,10 +76,7 @@ def _render(record: Any, tokenizer, where: str) -> list[int]:
 def read_jsonl(path: str, tokenizer) -> list[list[int]]:
     """The sequences of a JSON Lines calibration file (see the module docstring)."""
     flag = "--calib-dataset"
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise CalibrationError(f"{flag}: cannot read {path!r} ({exc.strerror or exc})") from None
+    lines = _read_lines(path, flag)
     sequences = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():

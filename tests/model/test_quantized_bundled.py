@@ -22,23 +22,12 @@ from aserve.config import EngineArgs
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import load_model
 from aserve.model.quantization.assign import linear_layers
+from aserve.quantize.default_texts import CHAT_QUESTIONS
 from tests.model._parity import all_position_logits, decode_step_logits, greedy_generate, parity
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis simply.",
-    "How do I reverse a list in Python?", "Name three primary colors.", "What causes rain?",
-    "Give me a tip for better sleep.", "Who wrote Romeo and Juliet?", "What is 12 times 7?",
-    "Describe a cat in one sentence.", "Why is the sky blue?", "Translate 'good morning' to Spanish.",
-    "What is a prime number?", "Suggest a name for a bakery.", "How does a bicycle work?",
-    "What is the boiling point of water?", "Tell me a fun fact about octopuses.", "What is gravity?",
-    "How do vaccines work?", "Write a short greeting for a birthday card.", "What is machine learning?",
-    "List two uses of copper.", "What is the largest planet?", "How do I make tea?",
-    "Explain what a verb is.", "Why do leaves change color in autumn?", "What is an atom?",
-    "Give me a synonym for happy.", "How many continents are there?", "What does a compiler do?",
-    "Describe the moon.", "What is democracy?",
-]
+QUESTIONS = list(CHAT_QUESTIONS)  # the chat questions `aserve quantize` also calibrates on by default
 FULL = os.environ.get("ASERVE_FULL_PARITY") == "1"
 if not FULL:
     QUESTIONS = QUESTIONS[:12]
