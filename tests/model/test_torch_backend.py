@@ -150,10 +150,9 @@ def test_fp8_cache_matches_the_reference_functions():
 
     q_lens, contexts = [1, 1, 9], [20, 7, 11]
     cache32, meta, k, v, _, _ = _step(16, 2, 16, contexts, q_lens, seed=5)
-    meta.k_scale, meta.v_scale = 0.5, 1.5
     cache = (cache32 / torch.tensor([0.5, 1.5]).view(2, 1, 1, 1, 1)).to(torch.float8_e4m3fn)
     q = torch.randn(meta.num_tokens, 4, 16)
-    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.25)
+    out = TorchAttentionBackend().forward(q, k, v, cache, meta, scale=0.25, k_scale=0.5, v_scale=1.5)
     decode = reference.paged_decode_attention(q[:2], cache, meta.block_tables[:2], meta.seq_lens[:2], 0.25,
                                               k_scale=0.5, v_scale=1.5)
     prefill = reference.paged_prefill_attention(

@@ -33,9 +33,8 @@ class AttentionMetadata:
     # Host copies, so CPU code can loop over prefill sequences without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # fp8 KV cache: the scales every layer uses this step (1.0 when not quantized).
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    # (fp8 KV caches: each attention layer passes its own k_scale / v_scale to the backend; see
+    # aserve/model/kv_scales.py)
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,7 @@ class DecodeInputs:
     # `block_ids.numel() * block_size * KVH * D` elements each, reused step after step.
     key_buffer: torch.Tensor
     value_buffer: torch.Tensor
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    # (no KV scales: the calling layer passes its own to `forward`, so a compiled graph holds each layer's)
 
 
 class AttentionBackend(Protocol):
@@ -62,7 +60,9 @@ class AttentionBackend(Protocol):
     `sliding_window` is the calling layer's own (None: full attention): a key at position p is seen
     by a query at position q when q - window < p <= q. Layers of one model may use different windows
     in the same step; a backend may plan once per (step, window). `logit_softcap` (the layer's, or
-    None) caps the scores: `softcap * tanh(scores / softcap)` before the softmax."""
+    None) caps the scores: `softcap * tanh(scores / softcap)` before the softmax. `k_scale` / `v_scale`
+    are the calling layer's fp8 KV-cache scales (1.0 when the cache is not fp8): K/V are stored as
+    `fp8(k / k_scale)`, `fp8(v / v_scale)` and multiplied back when read."""
 
     name: str
 
@@ -76,5 +76,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, H, D]
         ...

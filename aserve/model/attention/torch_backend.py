@@ -72,11 +72,13 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         if isinstance(meta, DecodeInputs):  # planned with the model's one window (decode_inputs)
             return torch.ops.aserve.torch_paged_decode(q, k, v, kv_cache, meta.slots, meta.block_ids, meta.mask,
                                                        meta.decode_len, meta.key_buffer, meta.value_buffer,
-                                                       scale, meta.k_scale, meta.v_scale)
+                                                       scale, k_scale, v_scale)
         kernels = self._kernels
         use_kernel = kernels is not None and meta.num_decodes > 0 and kernels.accepts(q, kv_cache)
         num_tokens = meta.num_tokens
@@ -94,40 +96,41 @@ class TorchAttentionBackend:
             k, v = k[:num_tokens], v[:num_tokens]
         else:
             k, v = k.index_select(0, plan.valid_rows), v.index_select(0, plan.valid_rows)
-        reference.reshape_and_cache(k, v, kv_cache, plan.slots, meta.k_scale, meta.v_scale, all_valid=True)
+        reference.reshape_and_cache(k, v, kv_cache, plan.slots, k_scale, v_scale, all_valid=True)
 
         num_decodes = meta.num_decodes
         if num_decodes == q.shape[0] and not plan.prefills:  # decodes only, no padding rows
-            return self._decode(q, kv_cache, plan, meta, scale, logit_softcap)
+            return self._decode(q, kv_cache, plan, scale, k_scale, v_scale, logit_softcap)
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
         if num_decodes and use_kernel:
             out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes].contiguous(), kv_cache,
                                                                meta.block_tables, meta.seq_lens, scale, sliding_window,
                                                                softcap=logit_softcap)
         elif num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, meta, scale, logit_softcap)
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, scale, k_scale, v_scale,
+                                             logit_softcap)
         for seq in plan.prefills:
-            keys, values = self._gather(kv_cache, seq.block_ids, 1, q.dtype, meta)
+            keys, values = self._gather(kv_cache, seq.block_ids, 1, q.dtype, k_scale, v_scale)
             out[seq.q_start:seq.q_end] = reference.attend_prefill(
                 q[seq.q_start:seq.q_end], keys[0, :seq.seq_len], values[0, :seq.seq_len], seq.mask, scale,
                 logit_softcap)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, meta: AttentionMetadata,
-                scale: float, softcap: float | None = None) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float, k_scale: float,
+                v_scale: float, softcap: float | None = None) -> torch.Tensor:
         assert plan.decode_block_ids is not None
         numel = plan.decode_block_ids.shape[0] * kv_cache[0, 0].numel()
         buffers = self.buffer_pair(kv_cache.dtype, kv_cache.device, numel)
         return _attend_decodes(q, kv_cache, plan.decode_block_ids, plan.decode_mask, plan.decode_len, buffers,
-                               scale, meta.k_scale, meta.v_scale, softcap)
+                               scale, k_scale, v_scale, softcap)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         numel = block_ids.shape[0] * kv_cache[0, 0].numel()
         key_buf, value_buf = self.buffer_pair(kv_cache.dtype, kv_cache.device, numel)
         keys = reference.gather_kv(kv_cache[0], block_ids, num_seqs, out=key_buf)
         values = reference.gather_kv(kv_cache[1], block_ids, num_seqs, out=value_buf)
-        return reference.dequantize(keys, dtype, meta.k_scale), reference.dequantize(values, dtype, meta.v_scale)
+        return reference.dequantize(keys, dtype, k_scale), reference.dequantize(values, dtype, v_scale)
 
     def buffer_pair(self, dtype: torch.dtype, device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat grow-only buffers (fresh allocations page-fault on every call; reuse is much faster)."""
@@ -191,8 +194,7 @@ def decode_inputs(meta: AttentionMetadata, kv_cache: torch.Tensor, backend: Torc
     if mask is None:
         mask = torch.empty(0, dtype=torch.bool, device=block_ids.device)
     return DecodeInputs(meta.slot_mapping[:meta.num_tokens].to(torch.int64), block_ids, mask,
-                        torch.tensor(decode_len, dtype=torch.int64), buffers[0], buffers[1],
-                        meta.k_scale, meta.v_scale)
+                        torch.tensor(decode_len, dtype=torch.int64), buffers[0], buffers[1])
 
 
 @torch.library.custom_op("aserve::torch_paged_decode", mutates_args=("kv_cache", "key_buffer", "value_buffer"))

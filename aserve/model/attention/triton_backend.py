@@ -34,6 +34,8 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_tokens = meta.num_tokens
         reshape_and_cache(
@@ -41,15 +43,15 @@ class TritonAttentionBackend:
             v[:num_tokens],
             kv_cache,
             meta.slot_mapping[:num_tokens],
-            meta.k_scale,
-            meta.v_scale,
+            k_scale,
+            v_scale,
         )
         out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
             paged_decode_attention(
                 q[:num_decodes], kv_cache, meta.block_tables[:num_decodes], meta.seq_lens[:num_decodes],
-                scale, sliding_window, meta.k_scale, meta.v_scale,
+                scale, sliding_window, k_scale, v_scale,
                 max_seq_len=max(meta.seq_lens_cpu[:num_decodes]), out=out[:num_decodes], softcap=logit_softcap,
             )  # fmt: skip
         if meta.num_seqs > num_decodes:
@@ -59,7 +61,7 @@ class TritonAttentionBackend:
                 q[first:num_tokens], kv_cache, meta.block_tables[num_decodes : meta.num_seqs],
                 meta.query_start_loc[num_decodes : meta.num_seqs + 1] - first,
                 meta.seq_lens[num_decodes : meta.num_seqs], scale, sliding_window,
-                meta.k_scale, meta.v_scale,
+                k_scale, v_scale,
                 query_start_loc_cpu=[s - first for s in starts],
                 seq_lens_cpu=meta.seq_lens_cpu[num_decodes : meta.num_seqs],
                 out=out[first:num_tokens], softcap=logit_softcap,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.model.attention.base import AttentionBackend, AttentionMetadata
+from aserve.model.attention.base import AttentionBackend, AttentionMetadata, DecodeInputs
 
 
 class Attention(nn.Module):
@@ -15,6 +15,11 @@ class Attention(nn.Module):
     calling forward before `bind_kv_cache` raises RuntimeError. `sliding_window` is this layer's
     (None: full attention); layers of one model may differ. `logit_softcap` caps the scores
     (`softcap * tanh(s / softcap)`, Gemma 2) or is None.
+
+    fp8 KV caches: `k_scale` / `v_scale` are this layer's scales (K/V are stored as `fp8(k / k_scale)`), set
+    from the checkpoint, `--quantization-param-path` or `--calculate-kv-scales` (aserve/model/kv_scales.py);
+    1.0 otherwise. With `calculate_kv_scales` set, the next forward over an `AttentionMetadata` step computes
+    them from its K/V (amax / the fp8 max) and clears the flag, so they stay fixed afterwards.
     """
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
@@ -32,6 +37,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.kv_scales_source: str | None = None  # "checkpoint" | "file" | "calculated" (None: 1.0 defaults)
+        self.calculate_kv_scales = False
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         expected = (2, self.num_kv_heads, self.head_dim)
@@ -49,9 +58,23 @@ class Attention(nn.Module):
             q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap,
+            self.kv_cache, meta, self.scale, self.sliding_window, self.logit_softcap, *self.kv_scales(k, v, meta),
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def kv_scales(self, k: torch.Tensor, v: torch.Tensor,
+                  meta: AttentionMetadata | DecodeInputs) -> tuple[float, float]:
+        """This layer's (k_scale, v_scale) for this step; computes them first when `calculate_kv_scales` is
+        set and this is a planned step (not a compiled decode), from its real tokens' K/V (k, v: `[T, ...]`)."""
+        if self.calculate_kv_scales and isinstance(meta, AttentionMetadata) and self.kv_cache is not None:
+            from aserve.model.kv_scales import calculated_scale
+
+            rows = meta.num_tokens
+            self.k_scale = calculated_scale(k[:rows], self.kv_cache.dtype)
+            self.v_scale = calculated_scale(v[:rows], self.kv_cache.dtype)
+            self.kv_scales_source = "calculated"
+            self.calculate_kv_scales = False
+        return self.k_scale, self.v_scale
 
 
 def split_qkv_heads(qkv: torch.Tensor, split, num_heads: int, num_kv_heads: int, head_dim: int,

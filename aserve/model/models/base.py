@@ -16,6 +16,7 @@ from torch import nn
 
 from aserve.config import ArchConfig
 from aserve.model.attention.base import AttentionBackend, AttentionMetadata, DecodeInputs
+from aserve.model.kv_scales import attention_owners, load_kv_scale
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.linear import MergedLinear
 
@@ -115,15 +116,19 @@ class CausalLM(nn.Module):
         stacking per-expert tensors into their MoE layers (`expert_params_mapping`).
 
         Returns the names of the parameters loaded. Raises ValueError on an unknown name or a shape
-        mismatch, and on parameters the checkpoint did not provide (a tied LM head needs none).
+        mismatch, and on parameters the checkpoint did not provide (a tied LM head needs none). fp8 KV-cache
+        scales (`self_attn.k_scale`, ...) go to their attention layers (aserve/model/kv_scales.py).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         tied = getattr(self.lm_head, "tied", False)
+        owners = attention_owners(self)
         for original, tensor in weights:
             name = self.checkpoint_name(original)
             if name is None or name.endswith(self.ignored_suffixes):
+                continue
+            if name not in params and load_kv_scale(owners, original, name, tensor):  # fp8 KV scales: kv_scales.py
                 continue
             if name == "lm_head.weight" and tied:
                 continue  # some tied checkpoints still store a copy of the embedding

@@ -160,7 +160,7 @@ class TransformersCausalLM(CausalLM):
             raise RuntimeError("no KV cache bound: call bind_kv_caches before forward")
         # [1, heads, T, D] -> [T, heads, D]
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-        out = self.backend.forward(q, k, v, layer.kv_cache, meta, scale, window, softcap)
+        out = self.backend.forward(q, k, v, layer.kv_cache, meta, scale, window, softcap, *layer.kv_scales(k, v, meta))
         return out[None], None
 
     # -- start-up -----------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ def draft_model_config(config: AserveConfig) -> AserveConfig:
                                 hf_overrides=None, model_impl="aserve")
     load_format = config.load.load_format if config.load.load_format in ("dummy", "safetensors", "pt") else "auto"
     load = dataclasses.replace(config.load, load_format=load_format, quantization=None, quant_spec=None)
-    return dataclasses.replace(config, model=model, load=load, lora=LoRAConfig())
+    # the target's fp8 KV-cache scales (file, calculated) are its own layers': the draft keeps its checkpoint's
+    cache = dataclasses.replace(config.cache, kv_scales=None, calculate_kv_scales=False)
+    return dataclasses.replace(config, model=model, load=load, cache=cache, lora=LoRAConfig())
 
 
 class DraftModelProposer(Proposer):

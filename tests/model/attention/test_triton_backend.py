@@ -67,16 +67,16 @@ def _step(batch, block_size, device, gen, *, num_padding=0, cache_dtype=torch.fl
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
-        k_scale=scale,
-        v_scale=scale,
     )
     return cache.to(device), q.to(device), k.to(device), v.to(device), meta
 
 
-def _both(cache, q, k, v, meta, sliding_window=None, softcap=None):
+def _both(cache, q, k, v, meta, sliding_window=None, softcap=None, kv_scales=(1.0, 1.0)):
     torch_cache, triton_cache = cache.clone(), cache.clone()
-    want = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, HEAD_DIM**-0.5, sliding_window, softcap)
-    got = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, HEAD_DIM**-0.5, sliding_window, softcap)
+    want = TorchAttentionBackend().forward(q, k, v, torch_cache, meta, HEAD_DIM**-0.5, sliding_window, softcap,
+                                           *kv_scales)
+    got = TritonAttentionBackend().forward(q, k, v, triton_cache, meta, HEAD_DIM**-0.5, sliding_window, softcap,
+                                           *kv_scales)
     assert torch.equal(triton_cache.view(torch.uint8), torch_cache.view(torch.uint8))
     return got, want
 
@@ -111,7 +111,7 @@ def test_logit_softcap_with_a_window(device, gen, softcap):
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_fp8_cache(device, gen, cache_dtype):
     cache, q, k, v, meta = _step(BATCHES["mixed"], 16, device, gen, cache_dtype=cache_dtype, scale=0.5)
-    got, want = _both(cache, q, k, v, meta)
+    got, want = _both(cache, q, k, v, meta, kv_scales=(0.5, 0.5))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
