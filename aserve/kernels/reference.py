@@ -332,3 +332,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return F.linear(silu_and_mul(F.linear(rows, w13[e])), w2[e])
 
     return grouped_moe(x, topk_weights, topk_ids, w13.shape[0], expert)
+
+
+def unpack_codes(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """The codes `[K, N]` (int64) of a `dequant_gemm.pack_codes` weight `qweight [ceil(K / P), N]`."""
+    per = 32 // bits
+    shifts = (torch.arange(per, device=qweight.device, dtype=torch.int64) * bits).view(1, per, 1)
+    codes = (qweight.to(torch.int64).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1, qweight.shape[1])[:k]
+
+
+def dequant_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 bits: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K]` times the weight `w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]` (fp32; `g = k //
+    group_size`, -1: one group; zeros None: `2**(bits-1)`) packed by `dequant_gemm.pack_codes`, rounded to
+    x's dtype, products accumulated in fp32 (+ bias), result in x's dtype: `[M, N]`."""
+    k = x.shape[1]
+    codes = unpack_codes(qweight, bits, k).float()
+    gs = k if group_size == -1 else group_size
+    g = torch.arange(k, device=x.device) // gs
+    zero = zeros[g] if zeros is not None else float(2 ** (bits - 1))
+    w = ((codes - zero) * scales[g]).to(x.dtype)
+    y = x.float() @ w.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
