@@ -46,3 +46,19 @@ def all_reduce_min(value: int, ctx: ParallelContext) -> int:
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
     return int(t.item())
 
+
+
+def in_waves(work, ctx: ParallelContext, max_at_once: int | None, barrier=None) -> None:
+    """Run `work()` on every rank, at most `max_at_once` ranks at a time (`--max-parallel-loading-workers`):
+    rank r runs in wave `r // max_at_once`, and every rank waits at a barrier after each wave (all ranks
+    must call this together). None, or one rank: just `work()`. `barrier` defaults to the process group's."""
+    if ctx.tp_size == 1 or max_at_once is None or max_at_once >= ctx.tp_size:
+        work()
+        return
+    if barrier is None:
+        def barrier() -> None:
+            dist.barrier(group=ctx.group)
+    for wave in range(-(-ctx.tp_size // max_at_once)):
+        if ctx.tp_rank // max_at_once == wave:
+            work()
+        barrier()

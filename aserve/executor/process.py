@@ -67,12 +67,13 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
     try:
         if config.device.device == "cpu":
             _limit_threads(world_size)
+        from aserve.distributed.collectives import in_waves
         from aserve.distributed.context import SINGLE, init_distributed, shutdown_distributed
         from aserve.runner.factory import make_runner
 
         parallel = init_distributed(rendezvous, rank) if rendezvous is not None else SINGLE
         runner = make_runner(config, parallel)
-        runner.load_model()
+        in_waves(runner.load_model, parallel, config.load.options.max_parallel_loading_workers)
         info = runner.initialize_kv_cache()
         runner.capture_graphs()
         conn.send_bytes(_OK + _encoder.encode(info))
