@@ -6,7 +6,7 @@
 1. Quantize: `aserve quantize -i HuggingFaceTB/SmolLM2-135M-Instruct -o OUT/<type> --quant-type <type>` for each
    of `--types` (default gptq,awq; the built-in calibration set), timed wall-clock.
 2. Quality, in process, one model at a time: resident weight bytes (every parameter and buffer of the loaded
-   model) and teacher-forced top-1 against the fp32 model on the 32 chat questions of the built-in set
+   model, and those of its decoder Linear layers against bf16's) and teacher-forced top-1 against the fp32 model on the 32 chat questions of the built-in set
    (the fp32 model answers each greedily, `--answer-tokens` tokens; each candidate then reads prompt + answer
    with `prompt_logprobs=1`, and its most likely token at every answer position is compared with fp32's).
    Rows: bf16, `--quantization gguf` (the bundled Q4_1 file), and each quantized checkpoint (bf16 activations).
@@ -43,22 +43,30 @@ def quantize(types: list[str], out_dir: str, reuse: bool) -> dict[str, float | N
         subprocess.run(["aserve", "quantize", "-i", BUNDLED, "-o", out, "--quant-type", quant_type,
                         "--log-level", "warning"], check=True)
         seconds[quant_type] = time.perf_counter() - started
+        print(f"aserve quantize --quant-type {quant_type}: {seconds[quant_type]:.1f} s", file=sys.stderr, flush=True)
     return seconds
 
 
-def resident_bytes(folder: str, dtype: str, quantization: str | None) -> int:
-    from aserve.config import EngineArgs
-    from aserve.model.attention.torch_backend import TorchAttentionBackend
-    from aserve.model.loader import load_model
-
-    config = EngineArgs(model="", dtype=dtype, quantization=quantization).create_config(model_path=folder)
-    model = load_model(config, TorchAttentionBackend(), "cpu")
+def _tensor_bytes(tensors) -> int:
     seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in tensors:
         if t.data_ptr() not in seen:  # tied weights count once
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+def resident_bytes(folder: str, dtype: str, quantization: str | None) -> tuple[int, int]:
+    """(every parameter and buffer, those of the decoder Linear layers only) of the loaded model."""
+    from aserve.config import EngineArgs
+    from aserve.model.attention.torch_backend import TorchAttentionBackend
+    from aserve.model.loader import load_model
+    from aserve.model.quantization.assign import linear_layers
+
+    config = EngineArgs(model="", dtype=dtype, quantization=quantization).create_config(model_path=folder)
+    model = load_model(config, TorchAttentionBackend(), "cpu")
+    linear = [t for _, layer in linear_layers(model) for t in [*layer.parameters(), *layer.buffers()]]
+    return _tensor_bytes([*model.parameters(), *model.buffers()]), _tensor_bytes(linear)
 
 
 def top1_at_answers(llm, sequences: list[list[int]], starts: list[int]) -> list[list[int]]:
@@ -86,9 +94,9 @@ def quality_rows(rows: list[tuple[str, str, str, str | None]], answer_tokens: in
     kwargs = {"max_model_len": 512, "enforce_eager": True, "disable_log_stats": True}
     ref = LLM(model=BUNDLED, dtype="float32", **kwargs)
     tok = ref.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in CHAT_QUESTIONS]
-    prompts = [list(p["input_ids"] if isinstance(p, dict) else p) for p in prompts]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in CHAT_QUESTIONS]
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
     answers = ref.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=answer_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
     sequences = [p + list(a.outputs[0].token_ids) for p, a in zip(prompts, answers, strict=True)]
@@ -105,7 +113,8 @@ def quality_rows(rows: list[tuple[str, str, str, str | None]], answer_tokens: in
         agree = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
         total = sum(len(w) for w in want)
         path = folder if model == BUNDLED else model
-        out.append({"name": name, "weights_mib": resident_bytes(path, dtype, quantization) / 2**20,
+        every, linear = resident_bytes(path, dtype, quantization)
+        out.append({"name": name, "weights_mib": every / 2**20, "linear_mib": linear / 2**20,
                     "top1": agree / total, "positions": total})
     return out
 
@@ -137,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     info = {"date": datetime.date.today().isoformat(), "cpu": peers.cpu_summary(peers._read_cpuinfo()),
             "command": " ".join(["python", *sys.argv])}
     print("\n".join(f"{k}: {v}" for k, v in info.items()))
-    print("\n| weights | quantize wall s | resident weights MiB | teacher-forced top-1 vs fp32 |\n|---|---:|---:|---:|")
+    print("\n| weights | quantize wall s | resident weights MiB | of which Linear layers (vs bf16) | "
+          "teacher-forced top-1 vs fp32 |\n|---|---:|---:|---:|---:|")
+    bf16_linear = quality[0]["linear_mib"]
     for q in quality:
         wall = seconds.get(q["name"])
         print(f"| {q['name']} | {'-' if wall is None else f'{wall:.0f}'} | {q['weights_mib']:.1f} | "
-              f"{q['top1']:.1%} ({q['positions']} positions) |")
+              f"{q['linear_mib']:.1f} ({q['linear_mib'] / bf16_linear:.0%}) | {q['top1']:.1%} ({q['positions']} positions) |")
     if args.skip_serving:
         return 0
     aserve = shutil.which("aserve") or "aserve"

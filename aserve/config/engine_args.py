@@ -23,22 +23,26 @@ from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 from aserve.config.compilation import parse_compilation_config
 from aserve.config.errors import ConfigError, require
 from aserve.config.guided_decoding import resolve_structured_outputs
+from aserve.config.kv_scales import validate_kv_scale_args
 from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.observability import validate_observability_args
 from aserve.config.pooling import validate_pooling_args
+from aserve.config.loading import check_loading_args
 from aserve.config.quantization import (
     CHECKPOINT_METHODS,
+    CPU_ONLY_FLAGS,
     METHOD_ALIASES,
     REFUSED_METHODS,
     SMOOTH_QUANT,
+    cuda_refusal,
     normalize_method,
 )
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
 from aserve.config.schema import AserveConfig, StructuredOutputsConfig
 from aserve.config.speculative import validate_speculative_args
 
-LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf", "npcache")
+LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy", "gguf", "npcache", "tensorizer", "bitsandbytes")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
@@ -47,7 +51,6 @@ _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
 _TOKENIZER_MODES = ("auto", "slow")
 _GENERATION_CONFIG = ("auto", "vllm")
-_CONFIG_FORMATS = ("auto", "hf")
 # generation_config.json key -> SamplingParams field (vLLM's --generation-config auto and
 # --override-generation-config)
 SAMPLING_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -144,7 +147,13 @@ class EngineArgs:
     ignore_patterns: str | list[str] = "original/**/*"
     # the Hub revision of a model's remote code: aserve runs no remote code (refused with --trust-remote-code)
     code_revision: str | None = None
+    # loader options per --load-format and TP ranks loading at once (aserve/config/loading.py)
+    model_loader_extra_config: dict[str, Any] | str | None = None
+    max_parallel_loading_workers: int | None = None
     kv_cache_memory_bytes: int | None = None  # the KV cache's size in bytes (beats the fraction-based sizing)
+    # fp8 KV-cache scales (aserve/config/kv_scales.py): vLLM's JSON of per-layer scales, or computed on step 1
+    quantization_param_path: str | None = None
+    calculate_kv_scales: bool = False
     # the server's tokenizer threads (aserve/server/tokenizer_pool.py): 0 or 1 = one; "ray" is refused
     tokenizer_pool_size: int = 0
     tokenizer_pool_type: str = "thread"
@@ -204,6 +213,7 @@ class EngineArgs:
         validate_pooling_args(self)
         validate_speculative_args(self)
         validate_observability_args(self.otlp_traces_endpoint, self.collect_detailed_traces)
+        validate_kv_scale_args(self)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
                       cuda_available: bool = False, draft_model_path: str | None = None) -> AserveConfig:
@@ -323,22 +333,17 @@ class EngineArgs:
                     f"got --model {self.model!r}")
             require(self.load_format in ("auto", "gguf"), "quantization",
                     f"'gguf' reads the GGUF file's weights; it cannot be combined with --load-format {self.load_format}")
-        if self.quantization is not None:
-            require(self.device != "cuda", "quantization", f"{self.quantization!r} is implemented for CPU only")
+        # vLLM's older spelling of bitsandbytes: --load-format bitsandbytes implies --quantization bitsandbytes
+        # (resolve_config), and takes no other method.
+        require(self.load_format != "bitsandbytes" or normalize_method(self.quantization) in (None, "bitsandbytes"),
+                "load_format", f"'bitsandbytes' reads bitsandbytes weights; it cannot be combined with "
+                f"--quantization {self.quantization}")
+        require(self.load_format != "bitsandbytes" or self.device != "cuda", "quantization", cuda_refusal("bitsandbytes"))
+        if normalize_method(self.quantization) in CPU_ONLY_FLAGS:  # the others: resolve_config, by checkpoint
+            require(self.device != "cuda", "quantization", cuda_refusal(self.quantization))
         require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
-        require(self.config_format in _CONFIG_FORMATS, "config_format",
-                f"must be 'auto' or 'hf' (aserve reads Hugging Face's config.json only; the 'mistral' params.json "
-                f"format is not implemented), got {self.config_format!r}")
-        require(self.code_revision is None or not self.trust_remote_code, "code_revision",
-                f"{self.code_revision!r} with --trust-remote-code: aserve loads local folders and runs no "
-                "remote code from another Hub revision, so a code revision would be ignored; drop --code-revision "
-                "(or pin the model with --revision)")
         self.sampling_overrides()
-        if self.hf_config_path is not None:
-            require(os.path.isfile(os.path.join(os.path.expanduser(self.hf_config_path), "config.json")),
-                    "hf_config_path", f"no config.json in {self.hf_config_path!r}")
-        patterns = self.resolved_ignore_patterns()
-        require(all(p for p in patterns), "ignore_patterns", f"empty pattern in {self.ignore_patterns!r}")
+        check_loading_args(self)
 
     def resolved_ignore_patterns(self) -> tuple[str, ...]:
         """--ignore-patterns as a tuple (vLLM accepts one string or a list)."""

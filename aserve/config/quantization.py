@@ -18,8 +18,11 @@ Methods (the README's quantization table lists each with its kernel and test):
                         `float-quantized`  FP8 (FP8_DYNAMIC / FP8 / FP8_BLOCK): spec method "fp8", served as
                                            `quant_method: fp8` checkpoints are (weight-only on CPU)
                       `ignore` entries are module names, or `re:<regex>` matched from the name's start.
+                      bitsandbytes (transformers' 4-bit nf4 / fp4, double quant or not, and LLM.int8()
+                      8-bit; needs the `bitsandbytes` package: aserve/model/quantization/bitsandbytes.py)
   load-time           int4, int8 (`weight_only_int8` is seed 004's name for int8), gguf, fp8 (online
-                      `--quantization fp8` of a float checkpoint)
+                      `--quantization fp8` of a float checkpoint), bitsandbytes (in-flight NF4, as vLLM;
+                      `--load-format bitsandbytes` implies it)
 `-q smooth_quant` (seed 004's name) names a compressed-tensors W8A8 int8 checkpoint; `-q weight_only_int8`
 also accepts a compressed-tensors 8-bit weight-only one. Everything else named here is refused with the
 reason.
@@ -35,15 +38,29 @@ from typing import Any
 
 from aserve.config.errors import ConfigError, require
 
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
-LOAD_TIME_METHODS = ("gguf", "int4", "int8", "fp8")
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "bitsandbytes")
+LOAD_TIME_METHODS = ("gguf", "int4", "int8", "fp8", "bitsandbytes")
+BITSANDBYTES_INSTALL = "pip install bitsandbytes"
+# Resolved methods with a CUDA path (aserve/model/quantization/cuda_linear.py: the Triton dequant-GEMM,
+# torch._int_mm, torch._scaled_mm); every other method is CPU only and refused with --device cuda, naming it.
+CUDA_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+# `--quantization` names that are CPU only whatever the checkpoint (refused before any model work on CUDA);
+# int8 / weight_only_int8 may name a compressed-tensors W8A16 checkpoint, so they wait for the checkpoint.
+CPU_ONLY_FLAGS = ("gguf", "int4", "bitsandbytes")
+
+
+def cuda_refusal(method: str) -> str:
+    """Why `method` is refused with --device cuda."""
+    return (f"{method!r} is implemented for CPU only (no CUDA kernel yet; CUDA serves {', '.join(CUDA_METHODS)} "
+            "checkpoints and online fp8); pass --device cpu")
+
+
 # Other spellings of a built method: seed 004's vendor name, vLLM's GPU-kernel names of the same formats.
 METHOD_ALIASES = {"weight_only_int8": "int8", "gptq_marlin": "gptq", "awq_marlin": "awq",
                   "compressed_tensors": "compressed-tensors"}
 # Known names that are not built, with why (refused at start-up, naming them).
 REFUSED_METHODS = {
     "fbgemm_fp8": "FBGEMM FP8 checkpoints are not implemented (quant_method 'fp8' checkpoints are)",
-    "bitsandbytes": "bitsandbytes (NF4 / int8) is not implemented yet",
     "squeezellm": "SqueezeLLM is not implemented",
     "aqlm": "AQLM is not implemented", "hqq": "HQQ is not implemented", "exl2": "EXL2 is not implemented",
     "marlin": "the Marlin checkpoint format is not implemented (use the GPTQ checkpoint it was made from)",
@@ -79,6 +96,8 @@ class QuantSpec:
     # fp8: "dynamic" | "static" (activations stay unquantized on CPU); w8a8: "dynamic" (int8 per token) |
     # "static" (int8 per tensor, the checkpoint's `input_scale`).
     activation_scheme: str = ""
+    # bitsandbytes 4-bit: "nf4" | "fp4" (bnb_4bit_quant_type); each tensor's quant state names its own too.
+    quant_type: str = ""
 
     def ignores(self, module: str) -> bool:
         """Whether checkpoint module name `module` is named by `ignore` (equal, or an `re:` entry's regex
@@ -122,7 +141,9 @@ def resolve_quantization(flag: str | None, hf_cfg: dict[str, Any], model_path: s
     if flagged in REFUSED_METHODS:
         raise ConfigError(f"--quantization: {flag!r}: {REFUSED_METHODS[flagged]}")
     if qc is None:
-        if flagged == "fp8":  # online: quantize the float checkpoint's Linear weights at load
+        if flagged in ("fp8", "bitsandbytes"):  # online: quantize the float checkpoint's Linear weights at load
+            if flagged == "bitsandbytes":
+                _require_bitsandbytes("--quantization bitsandbytes (in-flight NF4)")
             return flagged, None
         require(flagged != SMOOTH_QUANT, "quantization",
                 f"{flag!r}: {model_path} is a float checkpoint (no quantization_config); {SMOOTH_QUANT_HOWTO}")
@@ -139,8 +160,10 @@ def resolve_quantization(flag: str | None, hf_cfg: dict[str, Any], model_path: s
         raise ConfigError(f"config.json quantization_config.quant_method {ckpt!r} is not implemented; "
                           f"implemented checkpoint formats: {CHECKPOINT_METHODS}")
     parse = {"gptq": _gptq_spec, "awq": _awq_spec, "compressed-tensors": _compressed_tensors_spec,
-             "fp8": _fp8_spec}[ckpt]
+             "fp8": _fp8_spec, "bitsandbytes": _bitsandbytes_spec}[ckpt]
     spec = parse(qc)
+    if ckpt == "bitsandbytes":
+        _require_bitsandbytes("a bitsandbytes checkpoint (config.json quantization_config)")
     if flagged is not None and not _flag_fits(flagged, ckpt, spec):
         fmt = f" ({qc.get('format')!r} format)" if ckpt == "compressed-tensors" else ""
         hint = f"; {SMOOTH_QUANT_HOWTO}" if flagged == SMOOTH_QUANT else ""
@@ -165,6 +188,19 @@ def _flag_fits(flagged: str, ckpt: str, spec: QuantSpec) -> bool:
 
 def _refuse(method: str, what: str) -> ConfigError:
     return ConfigError(f"config.json quantization_config ({method}): {what} is not implemented")
+
+
+def _check_kv_cache_scheme(scheme: Any) -> None:
+    """compressed-tensors' `kv_cache_scheme`: built is 8-bit float, one static scale per layer (strategy
+    tensor): the checkpoint's `k_scale` / `v_scale` tensors, used with `--kv-cache-dtype fp8`."""
+    if not isinstance(scheme, dict):
+        raise _refuse("compressed-tensors", f"kv_cache_scheme {scheme!r}")
+    bits, kind = int(scheme.get("num_bits", 0) or 0), str(scheme.get("type", ""))
+    strategy = str(scheme.get("strategy", "tensor"))
+    if bits != 8 or kind != "float" or strategy != "tensor" or scheme.get("dynamic"):
+        raise _refuse("compressed-tensors", f"kv_cache_scheme {kind} {bits}-bit, strategy {strategy!r}"
+                      f"{', dynamic' if scheme.get('dynamic') else ''} (built: float 8-bit, strategy 'tensor', static: "
+                      "fp8 KV-cache scales per layer)")
 
 
 def _gptq_spec(qc: dict[str, Any]) -> QuantSpec:
@@ -209,8 +245,8 @@ def _compressed_tensors_spec(qc: dict[str, Any]) -> QuantSpec:
         raise _refuse("compressed-tensors", f"targets {targets} (built: ['Linear'])")
     if group.get("output_activations"):
         raise _refuse("compressed-tensors", "output_activations")
-    if qc.get("kv_cache_scheme"):
-        raise _refuse("compressed-tensors", "kv_cache_scheme (quantized KV cache scales)")
+    if qc.get("kv_cache_scheme"):  # per-layer fp8 KV scales in the checkpoint (aserve/model/kv_scales.py)
+        _check_kv_cache_scheme(qc["kv_cache_scheme"])
     ignore = tuple(str(entry) for entry in qc.get("ignore") or ())
     for entry in ignore:
         if entry.startswith("re:"):
@@ -308,3 +344,34 @@ def _fp8_spec(qc: dict[str, Any]) -> QuantSpec:
     ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
     return QuantSpec("fp8", 8, -1 if block is None else block[1], ignore=ignore, block_size=block,
                      activation_scheme=scheme)
+
+
+def _require_bitsandbytes(what: str) -> None:
+    """ConfigError naming `pip install bitsandbytes` when the package is not installed (not imported here)."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"--quantization: {what} needs the bitsandbytes package, which is not installed "
+                          f"({BITSANDBYTES_INSTALL})")
+
+
+def _bitsandbytes_spec(qc: dict[str, Any]) -> QuantSpec:
+    """transformers' `BitsAndBytesConfig`: 4-bit nf4 / fp4 (double quant or not, uint8 storage) or LLM.int8()
+    8-bit; `llm_int8_skip_modules` are stored (and served) in float; `bnb_4bit_compute_dtype` is not used
+    (activations are in --dtype)."""
+    four, eight = bool(qc.get("load_in_4bit")), bool(qc.get("load_in_8bit"))
+    if four == eight:
+        raise _refuse("bitsandbytes", "load_in_4bit and load_in_8bit both true" if four else
+                      "a config with neither load_in_4bit nor load_in_8bit")
+    skip = tuple(str(m) for m in qc.get("llm_int8_skip_modules") or ())
+    if eight:
+        if qc.get("llm_int8_has_fp16_weight"):
+            raise _refuse("bitsandbytes", "llm_int8_has_fp16_weight true (8-bit training weights)")
+        return QuantSpec("bitsandbytes", 8, -1, ignore=skip)
+    kind = str(qc.get("bnb_4bit_quant_type") or "fp4").lower()
+    if kind not in ("nf4", "fp4"):
+        raise _refuse("bitsandbytes", f"bnb_4bit_quant_type {kind!r} (built: 'nf4', 'fp4')")
+    storage = str(qc.get("bnb_4bit_quant_storage") or "uint8").lower().removeprefix("torch.")
+    if storage != "uint8":
+        raise _refuse("bitsandbytes", f"bnb_4bit_quant_storage {storage!r} (built: 'uint8')")
+    return QuantSpec("bitsandbytes", 4, 64, ignore=skip, quant_type=kind)

@@ -18,7 +18,9 @@ from aserve.config.parallel import check_tensor_parallel
 from aserve.config.lora import resolve_lora_config
 from aserve.config.observability import resolve_observability
 from aserve.config.pooling import bare_model_architecture, needs_whole_prompt, resolve_pooling_config, resolve_task
-from aserve.config.quantization import resolve_quantization
+from aserve.config.quantization import CUDA_METHODS, cuda_refusal, resolve_quantization
+from aserve.config.kv_scales import resolve_kv_scales
+from aserve.config.loading import resolve_loader_options
 from aserve.config.speculative import resolve_num_lookahead_slots, resolve_speculative_config
 from aserve.config.model_impl import (
     check_transformers_args,
@@ -100,9 +102,12 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
-    quantization, quant_spec = resolve_quantization(args.quantization, hf_cfg, str(path), args.tensor_parallel_size)
-    require(quantization is None or device == "cpu", "quantization",
-            f"{quantization!r} is implemented for CPU only (no CUDA kernel yet); pass --device cpu")
+    # --load-format bitsandbytes (vLLM's older spelling) means --quantization bitsandbytes, weights read as auto.
+    bnb_format = args.load_format == "bitsandbytes"
+    quantization, quant_spec = resolve_quantization(args.quantization or ("bitsandbytes" if bnb_format else None),
+                                                    hf_cfg, str(path), args.tensor_parallel_size)
+    require(quantization is None or device == "cpu" or (device == "cuda" and quantization in CUDA_METHODS),
+            "quantization", cuda_refusal(quantization or ""))
 
     max_model_len = _max_model_len(args, hf_cfg, arch, pooling.pooler.max_seq_length if pooling else None)
     chunked = True if args.enable_chunked_prefill is None else args.enable_chunked_prefill
@@ -168,6 +173,9 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             cpu_kvcache_space_gb=cpu_space,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_scales=resolve_kv_scales(args, hf_cfg.get("model_type"), arch.num_hidden_layers,
+                                        args.tensor_parallel_size),
+            calculate_kv_scales=args.calculate_kv_scales,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_batched,
@@ -184,8 +192,11 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             scheduler_cls=None if args.scheduler_cls in VLLM_DEFAULT_SCHEDULERS else args.scheduler_cls,
             num_lookahead_slots=resolve_num_lookahead_slots(args, speculative),
         ),
-        load=LoadConfig(load_format=args.load_format, quantization=quantization, quant_spec=quant_spec,
-                        ignore_patterns=args.resolved_ignore_patterns()),
+        load=LoadConfig(load_format="auto" if bnb_format else args.load_format, quantization=quantization,
+                        quant_spec=quant_spec,
+                        ignore_patterns=args.resolved_ignore_patterns(),
+                        options=resolve_loader_options(args.model_loader_extra_config, args.load_format,
+                                                       args.max_parallel_loading_workers)),
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(
             distributed_executor_backend=args.distributed_executor_backend or (

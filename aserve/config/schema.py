@@ -14,6 +14,7 @@ from typing import Any
 
 from aserve.config.hf_config import ArchConfig
 from aserve.config.pooling import PoolingConfig
+from aserve.config.loading import LoaderOptions
 from aserve.config.quantization import QuantSpec
 from aserve.config.observability import ObservabilityConfig
 from aserve.config.speculative import SpeculativeConfig
@@ -63,6 +64,10 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     cpu_kvcache_space_gb: float = 4.0  # the KV budget on CPU devices (vLLM: VLLM_CPU_KVCACHE_SPACE)
     kv_cache_memory_bytes: int | None = None  # the KV budget on any device (beats the two above)
+    # fp8 KV-cache scales (aserve/config/kv_scales.py): --quantization-param-path's, [tp rank][layer] (one
+    # scale for K and V), and --calculate-kv-scales (computed on the first step)
+    kv_scales: tuple[tuple[float, ...], ...] | None = None
+    calculate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class LoadConfig:
     quantization: str | None = None  # None | "gguf" | "int4" | "int8" | "gptq" | "awq" | "compressed-tensors"
     quant_spec: QuantSpec | None = None  # the checkpoint format's parameters (aserve/config/quantization.py)
     ignore_patterns: tuple[str, ...] = ("original/**/*",)  # weight files not loaded (fnmatch, folder-relative)
+    options: LoaderOptions = LoaderOptions()  # --model-loader-extra-config, --max-parallel-loading-workers
 
 
 @dataclass(frozen=True)

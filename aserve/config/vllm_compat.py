@@ -95,12 +95,9 @@ COMPAT_ARGS: dict[str, CompatArg] = {
                                          "tokenizers are not supported"),
     "multi_query_mode": _refused("bool", False, "an option of the quantization tool, not of a server: "
                                  "aserve quantize ... --multi-query-mode"),
-    "max_parallel_loading_workers": _todo("int", None, "loading weights in sequential batches of workers; "
-                                          "each aserve worker loads its own shard"),
     # -- issue 25's "Implement" list, not implemented yet -------------------------------------------
     "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
     "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
-    "model_loader_extra_config": _todo("json", None, "extra options of the model loader"),
     "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
     # -- owned by other issues ----------------------------------------------------------------------
     # -- speculative decoding's older flags: each sets one key of --speculative-config ----------------
@@ -119,8 +116,6 @@ COMPAT_ARGS: dict[str, CompatArg] = {
         ("typical_acceptance_sampler_posterior_alpha", "float", None, "posterior_alpha"),
         ("disable_logprobs_during_spec_decoding", "bool_opt", None, "disable_logprobs"),
         ("speculative_disable_mqa_scorer", "bool", False, "disable_mqa_scorer"))},
-    "quantization_param_path": _refused("str", None, f"fp8 KV-cache scaling factors from a file: {_QUANT}"),
-    "calculate_kv_scales": _refused("bool", False, f"computing fp8 KV-cache scales at run time: {_QUANT}"),
     "pooler_config": CompatArg("alias", "json", None, "", target="override_pooler_config"),
 }
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from aserve.config import AserveConfig
 from aserve.config.parallel import kv_head_replicas, rank_arch_config
+from aserve.config.quantization import CUDA_METHODS
 from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.model.attention.base import AttentionBackend
 from aserve.model.layers.norm import NORM_LAYERS
@@ -75,7 +76,9 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
             raise ValueError("the Transformers backend cannot be split across tensor-parallel ranks")
         from aserve.model.models.transformers_loading import load_transformers_model
 
-        return load_transformers_model(config, backend, device)
+        model = load_transformers_model(config, backend, device)
+        settle_kv_scales(model, config, parallel)
+        return model
     arch = rank_arch_config(config.model.arch, parallel.tp_size)
     dtype = torch_dtype(config.model.dtype)
     model_cls = get_model_class(arch.architecture)
@@ -83,12 +86,17 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
     apply_tensor_parallel(model, parallel, kv_head_replicas(config.model.arch.num_key_value_heads, parallel.tp_size))
     load_format = config.load.load_format
     quantization = config.load.quantization
-    if quantization is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"--quantization {quantization}: implemented for CPU only (use --device cpu)")
+    kind = torch.device(device).type
+    if quantization is not None and kind != "cpu" and not (kind == "cuda" and quantization in CUDA_METHODS):
+        raise ValueError(f"--quantization {quantization}: implemented for CPU only on {kind} (use --device cpu; "
+                         f"CUDA serves {', '.join(CUDA_METHODS)})")
     if quantization == "gguf":
         model.load_weights(_gguf_weights(model, config.model.model_path))
     elif config.load.quant_spec is not None and config.load.quant_spec.method == "fp8":  # an FP8 checkpoint
         model.load_weights(_fp8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
+                                                   load_format))
+    elif config.load.quant_spec is not None and config.load.quant_spec.method == "bitsandbytes":
+        model.load_weights(_bnb_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
                                                    load_format))
     elif config.load.quant_spec is not None and config.load.quant_spec.method == "w8a8":  # c-t int-quantized
         model.load_weights(_w8a8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
@@ -106,6 +114,10 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
                 layer.set_quant_method(method)
             logger.info("--quantization fp8: %d Linear layers quantized to float8_e4m3fn at load (per-channel "
                         "scales)%s", len(layers), "; MoE experts stay unquantized" if assign.expert_layers(model) else "")
+        elif quantization == "bitsandbytes":  # in-flight NF4 (aserve/model/quantization/bitsandbytes.py logs it)
+            from aserve.model.quantization.bitsandbytes import set_inflight_methods
+
+            set_inflight_methods(model)
         elif quantization is not None:
             num = assign.set_load_time_method(model, load_time_method(quantization))
             logger.info("--quantization %s: %d of %d Linear layers quantized at load", quantization, num,
@@ -116,16 +128,33 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
             from aserve.model.npcache import npcache_weights
 
             model.load_weights(npcache_weights(config.model.model_path, config.load.ignore_patterns))
+        elif load_format == "tensorizer":
+            from aserve.model.tensorizer_io import tensorizer_weights
+
+            model.load_weights(tensorizer_weights(config.load.options))
         else:
+            options = config.load.options
             model.load_weights(iterate_weights(config.model.model_path, load_format,
-                                               ignore_patterns=config.load.ignore_patterns))
+                                               ignore_patterns=config.load.ignore_patterns,
+                                               num_threads=options.num_threads if options.multithread_load else 1))
     assign.use_cpu_linear_forms(model)
     counts = assign.process_weights_after_loading(model)
     if quantization is not None or counts.keys() - {"unquantized"}:
         logger.info("Linear methods: %s; activations %s (CPU capability %s)",
                     ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())), config.model.dtype,
                     torch.backends.cpu.get_cpu_capability())
+    settle_kv_scales(model, config, parallel)
     return model.eval()
+
+
+def settle_kv_scales(model: nn.Module, config: AserveConfig, parallel: ParallelContext = SINGLE) -> None:
+    """fp8 KV caches: each attention layer's scales from the checkpoint (set by load_weights), the
+    --quantization-param-path file (this rank's) or --calculate-kv-scales; 1.0 otherwise (aserve/model/kv_scales.py)."""
+    from aserve.model.kv_scales import apply_kv_scales
+
+    file_scales = config.cache.kv_scales
+    apply_kv_scales(model, kv_cache_dtype_for(config), None if file_scales is None else file_scales[parallel.tp_rank],
+                    config.cache.calculate_kv_scales, what=config.model.model_path)
 
 
 def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -200,6 +229,24 @@ def _w8a8_checkpoint_weights(model: nn.Module, spec, model_path: str,
                 "checkpoint; kernel: %s", "static per-tensor" if static else "dynamic per-token",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)), w8a8.KERNEL)
     return w8a8.w8a8_weights(iterate_weights(model_path, load_format), static, targets)
+
+
+def _bnb_checkpoint_weights(model: nn.Module, spec, model_path: str,
+                            load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Set the bitsandbytes checkpoint method on the layers the checkpoint quantizes; the tensors to load
+    (aserve/model/quantization/bitsandbytes.py)."""
+    from aserve.model.quantization import bitsandbytes as bnb
+
+    kind, files = weight_files(model_path, load_format)
+    if kind != "safetensors":
+        raise ValueError("--quantization bitsandbytes: bitsandbytes checkpoints are read from safetensors only")
+    prefixes = bnb.quantized_prefixes(_tensor_names(files), spec.bits)
+    targets, dequantized = bnb.assign_checkpoint_methods(model, spec.bits, prefixes)
+    logger.info("--quantization bitsandbytes: %s checkpoint: %d of %d Linear layers quantized%s",
+                f"4-bit {spec.quant_type}" if spec.bits == 4 else "8-bit LLM.int8()",
+                len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)),
+                "" if spec.bits == 4 else "; kernel: int8 weight-only (_weight_int8pack_mm), per-row SCB / 127")
+    return bnb.checkpoint_weights(iterate_weights(model_path, load_format), spec.bits, targets, dequantized)
 
 
 def _tensor_names(files: list[str]) -> list[str]:
@@ -290,11 +337,15 @@ def _select_files(folder: str, patterns: list[str], index_name: str) -> list[str
 
 
 def iterate_weights(model_path: str, load_format: str, skip: Callable[[str], bool] | None = None,
-                    ignore_patterns: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+                    ignore_patterns: tuple[str, ...] = (), num_threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files (but those
     matching `ignore_patterns`), except those `skip(name)` is true for (safetensors files do not even
-    read those)."""
+    read those). With `num_threads` > 1 and several files, the files are read on that many threads
+    (`--model-loader-extra-config '{"enable_multithread_load": true}'`), yielded in file order."""
     kind, files = weight_files(model_path, load_format, ignore_patterns)
+    if num_threads > 1 and len(files) > 1:
+        yield from _read_files_threaded(kind, files, skip, num_threads)
+        return
     if kind == "safetensors":
         from safetensors import safe_open
 
@@ -313,3 +364,29 @@ def iterate_weights(model_path: str, load_format: str, skip: Callable[[str], boo
             raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
         yield from ((k, v) for k, v in state.items() if skip is None or not skip(k))
         del state
+
+
+def _read_file(kind: str, path: str, skip: Callable[[str], bool] | None) -> list[tuple[str, torch.Tensor]]:
+    if kind == "safetensors":
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as h:
+            return [(n, h.get_tensor(n)) for n in h.keys() if skip is None or not skip(n)]  # noqa: SIM118
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+    return [(k, v) for k, v in state.items() if skip is None or not skip(k)]
+
+
+def _read_files_threaded(kind: str, files: list[str], skip: Callable[[str], bool] | None,
+                         num_threads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every file read on a pool of `num_threads` threads (at most `num_threads` files in memory ahead)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="aserve-load") as pool:
+        pending = [pool.submit(_read_file, kind, path, skip) for path in files[:num_threads]]
+        for i in tqdm(range(len(files)), desc="Loading weights", unit="file"):
+            tensors = pending[i].result()
+            if i + num_threads < len(files):
+                pending.append(pool.submit(_read_file, kind, files[i + num_threads], skip))
+            yield from tensors

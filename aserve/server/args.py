@@ -41,6 +41,10 @@ _ENGINE_HELP = {
     "max_num_batched_tokens": "token budget per engine step",
     "dtype": "weight/activation dtype: auto, half, float16, bfloat16, float, float32",
     "kv_cache_dtype": "KV-cache dtype: auto, fp8, fp8_e4m3, fp8_e5m2",
+    "quantization_param_path": "fp8 KV cache: a JSON of per-layer scales (vLLM's format: kv_cache.scaling_factor, "
+                               "tensor-parallel rank -> layer -> scale for K and V); needs --kv-cache-dtype fp8",
+    "calculate_kv_scales": "fp8 KV cache: compute each layer's K and V scales from the first batch (amax over "
+                           "the fp8 maximum), then keep them; needs --kv-cache-dtype fp8",
     "num_gpu_blocks_override": "use this many KV blocks instead of profiling",
     "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process per "
                                     "tensor-parallel rank; the default with -tp > 1); ray is not implemented",
@@ -74,7 +78,8 @@ _ENGINE_HELP = {
                          "classes or the Transformers backend)",
     "download_dir": "where Hub downloads go",
     "load_format": f"weight file format: {', '.join(LOAD_FORMATS)} (dummy: random weights; npcache: numpy copies "
-                   "cached on the first load and memory-mapped afterwards)",
+                   "cached on the first load and memory-mapped afterwards; tensorizer: a .tensors file named by "
+                   "--model-loader-extra-config's tensorizer_uri)",
     "seed": "random seed of sampling",
     "swap_space": "CPU swap space per GPU in GiB (used by --preemption-mode swap)",
     "cpu_offload_gb": "GiB of weights offloaded to CPU (only 0 is implemented)",
@@ -90,8 +95,9 @@ _ENGINE_HELP = {
                          "holding generation_config.json",
     "device": "auto, cpu or cuda (auto: cuda when available)",
     "attention_backend": "attention kernels: torch or triton",
-    "quantization": "weight quantization: int8 / int4 (quantized at load, CPU), gguf, or a quantized "
-                    "checkpoint's format (gptq, awq, compressed-tensors)",
+    "quantization": "weight quantization: int8 (weight_only_int8) / int4 / fp8 / bitsandbytes (quantized at "
+                    "load), gguf, or a quantized checkpoint's format (gptq, awq, compressed-tensors, fp8, "
+                    "bitsandbytes; smooth_quant: a compressed-tensors W8A8 checkpoint)",
     "disable_sliding_window": "full attention instead of the model's sliding window",
     "override_generation_config": "JSON object of generation_config.json keys (temperature, top_p, top_k, min_p, "
                                   "repetition_penalty, max_new_tokens) over the --generation-config defaults",
@@ -99,6 +105,10 @@ _ENGINE_HELP = {
     "config_format": "auto or hf: Hugging Face config.json (mistral's params.json is refused)",
     "ignore_patterns": "weight files to skip (fnmatch globs inside the model folder; also not downloaded)",
     "code_revision": "Hub revision of the model's remote code (refused with --trust-remote-code)",
+    "model_loader_extra_config": "JSON object of loader options: enable_multithread_load / num_threads (files "
+                                 "read on threads); tensorizer_uri / num_readers / verify_hash (--load-format "
+                                 "tensorizer)",
+    "max_parallel_loading_workers": "with tensor parallelism, at most this many ranks read weights at once",
     "kv_cache_memory_bytes": "KV-cache size in bytes (beats the --gpu-memory-utilization sizing)",
     "tokenizer_pool_size": "threads that tokenize and render chat templates, each with its own tokenizer copy "
                            "(0 or 1: one), so long prompts do not queue behind one another",
@@ -157,7 +167,8 @@ _ENGINE_DEFAULTS = {
     "distributed_executor_backend": "'uni'; 'mp' with -tp > 1",
     "attention_backend": "'triton' on CUDA, 'torch' on CPU",
     "compilation_config": "level 3 on CUDA (CUDA graphs), 0 (eager) on CPU",
-    "quantization": "None: the checkpoint's own quantization_config, if any",
+    "quantization": "the checkpoint's own quantization_config, if any (a float checkpoint: none; "
+                    "--load-format bitsandbytes: bitsandbytes)",
     "hf_overrides": "{}: config.json as it is",
     "rope_scaling": "None: the model's",
     "override_generation_config": "{}: no overrides",
@@ -168,6 +179,8 @@ _ENGINE_DEFAULTS = {
     "revision": "None: the latest",
     "tokenizer_revision": "None: the latest",
     "code_revision": "None: the latest",
+    "model_loader_extra_config": "None: one thread; tensorizer needs tensorizer_uri",
+    "max_parallel_loading_workers": "None: every rank at once",
     "max_cpu_loras": "None: --max-loras",
     "long_prefill_token_threshold": "0: no cap (4%% of --max-model-len with --max-num-partial-prefills > 1)",
     "scheduler_cls": "None: aserve.core.scheduler.Scheduler (vLLM's default names mean the same)",
@@ -277,6 +290,9 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+_JSON_TEXT_FIELDS = ("speculative_config", "model_loader_extra_config")  # dict | str: a JSON object on the CLI
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per `EngineArgs` field, typed from the field's annotation."""
     group = parser.add_argument_group("engine arguments (aserve.config.EngineArgs)")
@@ -296,7 +312,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["action"] = "store_true"
-        elif typing.get_origin(tp) is dict or f.name == "speculative_config":  # (dict | str: JSON text)
+        elif typing.get_origin(tp) is dict or f.name in _JSON_TEXT_FIELDS:
             kwargs["type"] = _json_object(flag)
         elif typing.get_origin(tp) is list:  # list[float]: one or more numbers
             kwargs["nargs"], kwargs["type"] = "+", typing.get_args(tp)[0]

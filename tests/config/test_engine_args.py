@@ -12,7 +12,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(block_size=12), "--block-size"),
     (dict(dtype="int8"), "--dtype"),
-    (dict(load_format="tensorizer"), "--load-format"),
+    (dict(load_format="zip"), "--load-format"),
     (dict(kv_cache_dtype="int4"), "--kv-cache-dtype"),
     (dict(scheduling_policy="lifo"), "--scheduling-policy"),
     (dict(preemption_mode="drop"), "--preemption-mode"),
@@ -41,7 +41,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
     (dict(data_parallel_size=2), "--data-parallel-size"),
     (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
-    (dict(quantization="bitsandbytes"), "--quantization"),  # not built yet (tests/config/test_quantization.py)
+    (dict(quantization="gptq", load_format="bitsandbytes"), "--load-format"),  # it implies bitsandbytes
     (dict(quantization="gguf"), "--quantization"),  # a hub id / missing path is not a .gguf source
     (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
     (dict(quantization="gguf", load_format="dummy"), "--quantization"),

@@ -123,7 +123,12 @@ def test_a_mismatch_names_both(write_model_dir, qc, flag, named):
     ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
     ({"quant_method": "fp8", "activation_scheme": "per-token"}, "'per-token'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+     "bnb_4bit_quant_storage 'bfloat16'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": False}, "neither load_in_4bit nor load_in_8bit"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "'int4'"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_has_fp16_weight": True},
+     "llm_int8_has_fp16_weight"),
     ({**GPTQ, "bits": 3}, "bits 3"),
     ({**GPTQ, "bits": 2}, "bits 2"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "'marlin'"),
@@ -151,7 +156,8 @@ def test_a_mismatch_names_both(write_model_dir, qc, flag, named):
                                    "b": CT_W8A16["config_groups"]["group_0"]}}, "2 config_groups"),
     ({**CT_W8A8, "config_groups": {"g": {**CT_W8A8["config_groups"]["group_0"], "output_activations": INT8_TOKEN}}},
      "output_activations"),
-    ({**CT_W8A8, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+    ({**CT_W8A8, "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor"}}, "kv_cache_scheme int 8-bit"),
+    ({**CT_W8A8, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "channel"}}, "strategy 'channel'"),
     ({**CT_W8A8, "ignore": ["re:model.layers.(0"]}, "'re:model.layers.(0'"),
     ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
                                           "input_activations": {"num_bits": 8}}}}, "activation"),
@@ -163,12 +169,32 @@ def test_formats_not_built_are_refused_naming_them(write_model_dir, qc, named):
     assert named in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs", [dict(quantization="fbgemm_fp8"), dict(quantization="bitsandbytes"),
-                                    dict(quantization="fp8", device="cuda"),
-                                    dict(quantization="gptq", device="cuda")])
+@pytest.mark.parametrize("kwargs", [dict(quantization="fbgemm_fp8"), dict(quantization="bitsandbytes", device="cuda"),
+                                    dict(quantization="gptq", device="cuda")])  # a float checkpoint
 def test_flags_not_built_are_refused(model_dir, kwargs):
     with pytest.raises(ConfigError, match="^--quantization"):
-        EngineArgs(model=model_dir, **{"device": "cpu", **kwargs}).create_config()
+        EngineArgs(model=model_dir, **{"device": "cpu", **kwargs}).create_config(cuda_available=True)
+
+
+@pytest.mark.parametrize("flag, named", [("int4", "'int4'"), ("gguf", "'gguf'"), ("bitsandbytes", "'bitsandbytes'"),
+                                         ("int8", "'int8'"), ("weight_only_int8", "'int8'")])
+def test_cpu_only_methods_are_refused_on_cuda_naming_them(model_dir, flag, named):
+    """int4 / gguf / bitsandbytes before any model work; int8 once the checkpoint shows it is a float one."""
+    with pytest.raises(ConfigError, match="^--quantization: .*CPU only") as info:
+        EngineArgs(model=model_dir, device="cuda", quantization=flag).create_config(cuda_available=True)
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize("qc, flag, method", [
+    (GPTQ, None, "gptq"), (AWQ, None, "awq"), (CT_W4A16, None, "compressed-tensors"),
+    (CT_W8A8, None, "compressed-tensors"), (CT_FP8, None, "compressed-tensors"), (CT_W8A16, "int8", "compressed-tensors"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, None, "fp8"),
+    (None, "fp8", "fp8"),  # online fp8 of a float checkpoint
+])
+def test_methods_with_a_cuda_path_are_accepted_on_cuda(write_model_dir, qc, flag, method):
+    path = write_model_dir(**({} if qc is None else {"quantization_config": qc}))
+    cfg = EngineArgs(model=path, device="cuda", quantization=flag).create_config(cuda_available=True)
+    assert cfg.load.quantization == method and cfg.device.device == "cuda"
 
 
 def test_quantized_checkpoints_with_tensor_parallelism_are_refused(write_model_dir):
@@ -219,3 +245,65 @@ def test_smooth_quant_on_a_float_checkpoint_points_to_aserve_quantize(model_dir)
 def test_ignore_entries_are_names_or_regexes(module, ignored):
     spec = QuantSpec("w8a8", 8, -1, ignore=("lm_head", r"re:model\.layers\.0\.", "re:.*q_proj"))
     assert spec.ignores(module) is ignored
+
+
+def _bnb_installed(monkeypatch, installed: bool) -> None:
+    """Whether the config layer finds the bitsandbytes package (it only looks it up, never imports it)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: (object() if installed else None)
+                        if name == "bitsandbytes" else real(name, *a, **k))
+
+
+BNB_4BIT = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False, "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
+            "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0}
+
+
+@pytest.mark.parametrize("qc, spec", [
+    (BNB_4BIT, QuantSpec("bitsandbytes", 4, 64, quant_type="nf4")),
+    ({**BNB_4BIT, "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False}, QuantSpec(
+        "bitsandbytes", 4, 64, quant_type="fp4")),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_skip_modules": ["lm_head"]},
+     QuantSpec("bitsandbytes", 8, -1, ignore=("lm_head",))),
+])
+def test_bitsandbytes_checkpoints_are_read(write_model_dir, monkeypatch, qc, spec):
+    _bnb_installed(monkeypatch, True)
+    for flag in (None, "bitsandbytes"):
+        load = _load(write_model_dir(quantization_config=qc), quantization=flag)
+        assert (load.quantization, load.quant_spec) == ("bitsandbytes", spec)
+    load = _load(write_model_dir(quantization_config=qc), load_format="bitsandbytes")  # vLLM's older spelling
+    assert (load.quantization, load.quant_spec, load.load_format) == ("bitsandbytes", spec, "auto")
+
+
+def test_bitsandbytes_in_flight_on_a_float_checkpoint(model_dir, monkeypatch):
+    _bnb_installed(monkeypatch, True)
+    for kwargs in (dict(quantization="bitsandbytes"), dict(load_format="bitsandbytes")):
+        load = _load(model_dir, **kwargs)
+        assert (load.quantization, load.quant_spec, load.load_format) == ("bitsandbytes", None, "auto")
+
+
+@pytest.mark.parametrize("qc, kwargs", [(None, dict(quantization="bitsandbytes")), (BNB_4BIT, {}),
+                                        (None, dict(load_format="bitsandbytes"))])
+def test_bitsandbytes_without_the_package_names_pip_install(write_model_dir, monkeypatch, qc, kwargs):
+    _bnb_installed(monkeypatch, False)
+    with pytest.raises(ConfigError, match="^--quantization.*pip install bitsandbytes"):
+        _load(write_model_dir(**({"quantization_config": qc} if qc else {})), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(quantization="gptq", load_format="bitsandbytes"), "--load-format"),
+    (dict(quantization="bitsandbytes", device="cuda"), "--quantization"),
+    (dict(load_format="bitsandbytes", device="cuda"), "--quantization"),
+])
+def test_bitsandbytes_flag_combinations_refused(model_dir, kwargs, flag):
+    with pytest.raises(ConfigError, match=f"^{flag}"):
+        EngineArgs(model=model_dir, **{"device": "cpu", **kwargs}).create_config()
+
+
+def test_a_bitsandbytes_checkpoint_with_another_flag_names_both(write_model_dir, monkeypatch):
+    _bnb_installed(monkeypatch, True)
+    with pytest.raises(ConfigError, match="^--quantization") as info:
+        _load(write_model_dir(quantization_config=BNB_4BIT), quantization="int4")
+    assert "'int4'" in str(info.value) and "'bitsandbytes'" in str(info.value)

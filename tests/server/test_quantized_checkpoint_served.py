@@ -1,4 +1,5 @@
-"""A GPTQ checkpoint (act-order, written in-test: tests/model/quantization/_quantized_checkpoints.py)
+"""A GPTQ checkpoint (act-order, written in-test: tests/model/quantization/_quantized_checkpoints.py) and a
+bitsandbytes NF4 one (quantized and saved by transformers + bitsandbytes: _bnb_checkpoints.py)
 through the OpenAI server with the `openai` SDK: greedy completions of token-id prompts equal Hugging
 Face's on the checkpoint's dequantized fp32 copy."""
 
@@ -20,6 +21,28 @@ MAX_NEW = 8
 
 def test_gptq_checkpoint_served_greedy_matches_hf_on_its_dequantized_copy(tmp_path):
     quant, deq = build(tmp_path, "gptq", group_size=64, desc_act=True, sym=False, v1=True, intermediate_size=96)
+    prompts = PROMPTS[:3]
+    reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
+    with serving(str(quant), quiet_args(), skip_tokenizer_init=True, max_model_len=128, dtype="float32") as (
+            _, address):
+        client = openai.OpenAI(base_url=f"{address.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=str(quant), prompt=prompts, max_tokens=MAX_NEW, temperature=0,
+                                        logprobs=0, extra_body={"ignore_eos": True})
+    choices = sorted(out.choices, key=lambda c: c.index)
+    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in choices]
+    assert got == reference
+
+
+def test_bitsandbytes_checkpoint_served_greedy_matches_hf_on_its_dequantized_copy(tmp_path):
+    """A transformers + bitsandbytes NF4 (double quant) checkpoint, served with no quantization flag."""
+    pytest.importorskip("bitsandbytes")
+    from tests.model.quantization._bnb_checkpoints import build_bnb
+    from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
+
+    src = tmp_path / "src"
+    save_tiny_hf(src, "llama", seed=0, **{**GREEDY_STABLE, "hidden_size": 128, "tie_word_embeddings": False})
+    quant, deq, _ = build_bnb(src, tmp_path, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=True)
     prompts = PROMPTS[:3]
     reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
     with serving(str(quant), quiet_args(), skip_tokenizer_init=True, max_model_len=128, dtype="float32") as (

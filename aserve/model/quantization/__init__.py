@@ -13,6 +13,10 @@
                   `--quantization fp8`: float8_e4m3fn weights, dequantized per call (CPU, weight-only)
   w8a8.py         compressed-tensors int-quantized W8A8 checkpoints: int8 weights x per-row int8 activations
                   (`torch._int_mm`)
+  cuda_linear.py  the CUDA forms of checkpoint_int / w8a8 / fp8, chosen at load on CUDA (Triton dequant-GEMM,
+                  `torch._int_mm`, `torch._scaled_mm`); checked on CPU tensors, not yet run on a GPU
+  bitsandbytes.py `--quantization bitsandbytes` (in-flight NF4) and bitsandbytes checkpoints (4-bit nf4 / fp4,
+                  LLM.int8() on the int8 kernel), through the `bitsandbytes` package (imported only when used)
   gguf_file.py, gguf_reader.py   reading a GGUF file's index and its 4-bit Linear weights
 
 The loader (`aserve/model/loader.py`) chooses a method per layer; model files never do.

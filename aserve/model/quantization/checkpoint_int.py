@@ -20,6 +20,10 @@ their codes as int8 `q - 128` with per-row scales in the model dtype and multipl
 weight-only kernel (`int8.int8_linear`, `_weight_int8pack_mm`), 1 byte a weight. Any other layer
 (group-wise or asymmetric 8-bit, other shapes) keeps the dequantized weight in the model dtype and
 `F.linear`, logged once per reason.
+
+On CUDA (`cuda_linear.py`) every 4- and 8-bit layer is packed for the Triton dequant-GEMM
+(`aserve/kernels/dequant_gemm.py`) instead, unless its group size is not a multiple of 16 (then the
+dequantized weight); checked under the Triton interpreter, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from aserve.model.quantization import cuda_linear
 from aserve.model.quantization.base import LinearMethodBase, drop_weights, register_weight
 from aserve.model.quantization.int4_cpu import GROUP_SIZE, int4_linear, int4_packable, pack_int4
 from aserve.model.quantization.int8 import int8_linear
@@ -50,7 +55,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
     """The fp32 weight `(q - zero) * scale` of the canonical form (columns in group order)."""
     k = codes.shape[1]
     gs = k if group_size == -1 else group_size
-    col_group = torch.arange(k) // gs
+    col_group = torch.arange(k, device=codes.device) // gs
     return (codes.float() - zeros.float()[:, col_group]) * scales.float()[:, col_group]
 
 
@@ -84,8 +89,15 @@ class CheckpointIntMethod(LinearMethodBase):
         perm = getattr(layer, "input_perm", None)
         n, k = codes.shape
         drop_weights(layer)
-        if perm is not None:
-            layer.register_buffer("input_perm", perm, persistent=False)
+        if perm is not None:  # set while reading the checkpoint, on the CPU
+            layer.register_buffer("input_perm", perm.to(codes.device), persistent=False)
+        if cuda_linear.use_cuda_forms(codes.device):  # the Triton dequant-GEMM (cuda_linear.py)
+            reason = cuda_linear.pack_checkpoint_int(layer, codes, scales, zeros, self.bits, self.group_size)
+            if reason is not None:
+                cuda_linear.dequantized_fallback(self.name, reason, layer.params_dtype)
+                register_weight(layer, "weight",
+                                dequantize(codes, scales, zeros, self.group_size).to(layer.params_dtype))
+            return
         if self.bits == 8 and scales.shape[1] == 1 and bool((zeros == 128).all()):
             register_weight(layer, "int8_weight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous())
             register_weight(layer, "int8_scales", scales[:, 0].to(layer.params_dtype).contiguous())
@@ -121,6 +133,8 @@ class CheckpointIntMethod(LinearMethodBase):
         weight = getattr(layer, "weight", None)
         if weight is not None:
             return F.linear(x, weight, bias)
+        if getattr(layer, "dq_weight", None) is not None:
+            return cuda_linear.checkpoint_int_linear(layer, x, self.bits, self.group_size, bias)
         q8 = getattr(layer, "int8_weight", None)
         if q8 is not None:
             return int8_linear(x, q8, layer.int8_scales, bias)

@@ -17,6 +17,10 @@ and multiplies with `F.linear`: activations are never quantized (a `static` chec
 is read and dropped), so outputs reflect FP8 *weight* rounding only. No `torch._scaled_mm` here (CPU).
 Online `--quantization fp8`: per-output-channel scale `amax / 448`, codes rounded to float8_e4m3fn at
 load (vLLM uses a per-tensor scale; per-channel is at least as accurate).
+
+Kernel, CUDA (`cuda_linear.choose_fp8_form`, at load): compute capability >= 8.9, per-tensor / per-channel
+scales, K and N multiples of 16: activations quantized to fp8 per token and `torch._scaled_mm`; otherwise
+the dequantizing form above. Checked on CPU tensors (torch's CPU `_scaled_mm`), not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from aserve.model.quantization import cuda_linear
 from aserve.model.quantization.base import LinearMethodBase, drop_weights, register_weight
 from aserve.model.quantization.unquantized import UnquantizedLinearMethod
 
@@ -67,6 +72,8 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype:
 
 
 def _fp8_apply(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if getattr(layer, "fp8_scaled_mm", False):  # CUDA, compute capability >= 8.9 (cuda_linear.py)
+        return cuda_linear.fp8_scaled_linear(layer, x, bias)
     weight = dequantize_fp8(layer.fp8_weight, layer.fp8_scale, layer.fp8_group_size, x.dtype)
     return F.linear(x, weight, bias)
 
@@ -89,6 +96,7 @@ class Fp8CheckpointMethod(LinearMethodBase):
         layer.fp8_group_size = layer.input_size if self.block_k is None else self.block_k
         _log_once(f"ckpt:{self.block_k}", "fp8 checkpoint (%s scales): %s; activations unquantized",
                   "per-tensor / per-channel" if self.block_k is None else f"{self.block_k}-column block", KERNEL)
+        cuda_linear.choose_fp8_form(layer, "fp8 checkpoint")
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _fp8_apply(layer, x, bias)
@@ -107,6 +115,7 @@ class Fp8OnlineMethod(UnquantizedLinearMethod):
         register_weight(layer, "fp8_scale", scale)
         layer.fp8_group_size = layer.input_size
         _log_once("online", "--quantization fp8 (online, per-channel scales): %s; activations unquantized", KERNEL)
+        cuda_linear.choose_fp8_form(layer, "--quantization fp8")
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _fp8_apply(layer, x, bias)

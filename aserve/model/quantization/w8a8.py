@@ -21,6 +21,8 @@ the same arithmetic in plain torch (an fp64 matmul of the integers, also exact) 
 Like vLLM, the dynamic scale is `amax / 127` (`ACT_QMAX`). compressed-tensors' fake quantization (what
 transformers runs for such a checkpoint) uses `amax / 127.5`: a different grid, so activations round
 differently and outputs differ from transformers' by about the activation quantization noise.
+On CUDA (`cuda_linear.w8a8_linear_cuda`, chosen at load) the same arithmetic runs in CUDA's `torch._int_mm`
+(its limits met by padding rows, or an fp32 matmul of the codes); checked on CPU, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from aserve.model.quantization import cuda_linear
 from aserve.model.quantization.base import LinearMethodBase, register_weight
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KERNEL = "int8 activations x int8 weights in torch._int_mm (int32 accumulation), fp32 rescale"
+CUDA_KERNEL = "CUDA: " + KERNEL + " (cuBLASLt; batches of <= 16 rows padded to 17)"
+CUDA_FALLBACK = "CUDA: int8 activations x int8 weights as an fp32 matmul (K or N not a multiple of 8), fp32 rescale"
 ACT_QMAX = 127.0  # dynamic activation scale = amax / ACT_QMAX (vLLM's; compressed-tensors' fake quantization: 127.5)
 _logged: set[str] = set()
 
@@ -105,13 +110,22 @@ class W8A8Int8Method(LinearMethodBase):
                 raise ValueError(f"w8a8 checkpoint: a non-positive input_scale ({float(scale)})")
             del layer._parameters["w8a8_input_scale"]
             register_weight(layer, "w8a8_input_scale", scale.reshape(()))
-        key = "static" if self.static else "dynamic"
+        layer.w8a8_cuda = cuda_linear.use_cuda_forms(layer.w8a8_weight.device)
+        kernel = KERNEL
+        if layer.w8a8_cuda:
+            n, k = layer.w8a8_weight.shape
+            kernel = CUDA_KERNEL if cuda_linear.int_mm_fits(n, k) else CUDA_FALLBACK
+            cuda_linear.transpose_w8a8(layer)
+        key = f"{'static' if self.static else 'dynamic'}:{kernel}"
         if key not in _logged:
             _logged.add(key)
             logger.info("w8a8 int8 checkpoint (%s activations): %s", "static per-tensor" if self.static
-                        else "dynamic per-token", KERNEL)
+                        else "dynamic per-token", kernel)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if getattr(layer, "w8a8_cuda", False):
+            return cuda_linear.w8a8_linear_cuda(x, layer.w8a8_weight_kn, layer.w8a8_scale,
+                                                getattr(layer, "w8a8_input_scale", None), bias)
         return w8a8_linear(x, layer.w8a8_weight, layer.w8a8_scale, getattr(layer, "w8a8_input_scale", None), bias)
 
 
