@@ -49,7 +49,7 @@ def convert_gguf(src: str, dst: str) -> None:
     tokenizer.model_max_length = int(config.get("max_position_embeddings") or tokenizer.model_max_length)
     # The special tokens named by the GGUF metadata's ids (config.json has them right; some transformers
     # releases name the wrong token in the converted tokenizer, e.g. <|im_start|> as eos).
-    for kind in ("bos", "eos", "pad"):
+    for kind in ("bos", "eos"):
         token_id = config.get(f"{kind}_token_id")
         if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
             setattr(tokenizer, f"{kind}_token", tokenizer.convert_ids_to_tokens(token_id))
