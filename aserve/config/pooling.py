@@ -106,6 +106,8 @@ def resolve_pooling_config(args: Any, architecture: str, model_path: str | None,
             "tensor parallelism is not implemented for pooling models (only 1)")
     require(not args.enable_lora, "enable_lora", "LoRA adapters are not implemented for pooling models")
     require(args.quantization is None, "quantization", "quantized pooling models are not implemented")
+    require(not args.calculate_kv_scales, "calculate_kv_scales", "not implemented for pooling models (use "
+            "--quantization-param-path, or scales from the checkpoint)")
     try:
         pooler = resolve_pooler_config(model_path, architecture, task, args.override_pooler_config)
     except ValueError as e:

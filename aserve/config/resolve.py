@@ -108,6 +108,9 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
                                                     hf_cfg, str(path), args.tensor_parallel_size)
     require(quantization is None or device == "cpu" or (device == "cuda" and quantization in CUDA_METHODS),
             "quantization", cuda_refusal(quantization or ""))
+    require(args.load_format != "tensorizer" or quant_spec is None, "load_format",
+            f"'tensorizer' reads float checkpoints; {path} is a {quantization} checkpoint (quantization_config): "
+            "serve it with --load-format auto")
 
     max_model_len = _max_model_len(args, hf_cfg, arch, pooling.pooler.max_seq_length if pooling else None)
     chunked = True if args.enable_chunked_prefill is None else args.enable_chunked_prefill

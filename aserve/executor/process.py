@@ -99,7 +99,9 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
                 continue
             if tag == _WAKE_UP:
                 tags = _decode_tags.decode(body)
-                runner.wake_up(None if tags is None else tuple(tags))
+                # a reload of the weights (sleep level 2) goes in waves too, as at start-up
+                in_waves(lambda: runner.wake_up(None if tags is None else tuple(tags)), parallel,
+                         config.load.options.max_parallel_loading_workers)
                 conn.send_bytes(_OK)
                 continue
             out = runner.execute(_decode_so.decode(body))

@@ -90,20 +90,22 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
     if quantization is not None and kind != "cpu" and not (kind == "cuda" and quantization in CUDA_METHODS):
         raise ValueError(f"--quantization {quantization}: implemented for CPU only on {kind} (use --device cpu; "
                          f"CUDA serves {', '.join(CUDA_METHODS)})")
+    options = config.load.options
+    threads = options.num_threads if options.multithread_load else 1  # --model-loader-extra-config
     if quantization == "gguf":
         model.load_weights(_gguf_weights(model, config.model.model_path))
     elif config.load.quant_spec is not None and config.load.quant_spec.method == "fp8":  # an FP8 checkpoint
         model.load_weights(_fp8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
-                                                   load_format))
+                                                   load_format, threads))
     elif config.load.quant_spec is not None and config.load.quant_spec.method == "bitsandbytes":
         model.load_weights(_bnb_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
-                                                   load_format))
+                                                   load_format, threads))
     elif config.load.quant_spec is not None and config.load.quant_spec.method == "w8a8":  # c-t int-quantized
         model.load_weights(_w8a8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
-                                                    load_format))
+                                                    load_format, threads))
     elif config.load.quant_spec is not None:  # a GPTQ / AWQ / compressed-tensors checkpoint
         model.load_weights(_checkpoint_quantized_weights(model, config.load.quant_spec, config.model.model_path,
-                                                         load_format))
+                                                         load_format, threads))
     else:
         if quantization == "fp8":  # online FP8: Linear layers only (MoE experts stay in the model dtype)
             from aserve.model.quantization.fp8 import Fp8OnlineMethod
@@ -133,10 +135,8 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
 
             model.load_weights(tensorizer_weights(config.load.options))
         else:
-            options = config.load.options
             model.load_weights(iterate_weights(config.model.model_path, load_format,
-                                               ignore_patterns=config.load.ignore_patterns,
-                                               num_threads=options.num_threads if options.multithread_load else 1))
+                                               ignore_patterns=config.load.ignore_patterns, num_threads=threads))
     assign.use_cpu_linear_forms(model)
     counts = assign.process_weights_after_loading(model)
     if quantization is not None or counts.keys() - {"unquantized"}:
@@ -178,7 +178,7 @@ def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torc
 
 
 def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
-                                  load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+                                  load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the checkpoint method on the layers the checkpoint quantizes; the tensors to load, each
     quantized module's in the method's form (aserve/model/quantization/checkpoint_formats.py)."""
     from aserve.model.quantization import checkpoint_formats
@@ -192,11 +192,12 @@ def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
     logger.info("--quantization %s: %d-bit, group size %d%s: %d of %d Linear layers quantized in the checkpoint",
                 spec.method, spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)))
-    return checkpoint_formats.canonical_weights(iterate_weights(model_path, load_format), spec, targets)
+    weights = iterate_weights(model_path, load_format, num_threads=threads)
+    return checkpoint_formats.canonical_weights(weights, spec, targets)
 
 
 def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
-                           load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+                           load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the fp8 checkpoint method on the layers the checkpoint stores in fp8; the tensors to load
     (aserve/model/quantization/fp8.py)."""
     from aserve.model.quantization import fp8
@@ -211,11 +212,11 @@ def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
                 f"{list(spec.block_size)} block" if spec.block_size else "per-tensor / per-channel",
                 spec.activation_scheme, len({id(layer) for layer, _ in targets.values()}),
                 len(assign.linear_layers(model)), fp8.KERNEL)
-    return fp8.fp8_weights(iterate_weights(model_path, load_format), spec.block_size, targets)
+    return fp8.fp8_weights(iterate_weights(model_path, load_format, num_threads=threads), spec.block_size, targets)
 
 
 def _w8a8_checkpoint_weights(model: nn.Module, spec, model_path: str,
-                             load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+                             load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the W8A8 int8 method on the layers a compressed-tensors `int-quantized` checkpoint quantizes; the
     tensors to load (aserve/model/quantization/w8a8.py)."""
     from aserve.model.quantization import w8a8
@@ -228,11 +229,11 @@ def _w8a8_checkpoint_weights(model: nn.Module, spec, model_path: str,
     logger.info("--quantization compressed-tensors: W8A8 int8, %s activations: %d of %d Linear layers int8 in the "
                 "checkpoint; kernel: %s", "static per-tensor" if static else "dynamic per-token",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)), w8a8.KERNEL)
-    return w8a8.w8a8_weights(iterate_weights(model_path, load_format), static, targets)
+    return w8a8.w8a8_weights(iterate_weights(model_path, load_format, num_threads=threads), static, targets)
 
 
 def _bnb_checkpoint_weights(model: nn.Module, spec, model_path: str,
-                            load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+                            load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the bitsandbytes checkpoint method on the layers the checkpoint quantizes; the tensors to load
     (aserve/model/quantization/bitsandbytes.py)."""
     from aserve.model.quantization import bitsandbytes as bnb
@@ -246,7 +247,8 @@ def _bnb_checkpoint_weights(model: nn.Module, spec, model_path: str,
                 f"4-bit {spec.quant_type}" if spec.bits == 4 else "8-bit LLM.int8()",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)),
                 "" if spec.bits == 4 else "; kernel: int8 weight-only (_weight_int8pack_mm), per-row SCB / 127")
-    return bnb.checkpoint_weights(iterate_weights(model_path, load_format), spec.bits, targets, dequantized)
+    weights = iterate_weights(model_path, load_format, num_threads=threads)
+    return bnb.checkpoint_weights(weights, spec.bits, targets, dequantized)
 
 
 def _tensor_names(files: list[str]) -> list[str]:
@@ -337,7 +339,8 @@ def _select_files(folder: str, patterns: list[str], index_name: str) -> list[str
 
 
 def iterate_weights(model_path: str, load_format: str, skip: Callable[[str], bool] | None = None,
-                    ignore_patterns: tuple[str, ...] = (), num_threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+                    ignore_patterns: tuple[str, ...] = (), num_threads: int = 1
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, CPU tensor) for every tensor in the folder's weight files (but those
     matching `ignore_patterns`), except those `skip(name)` is true for (safetensors files do not even
     read those). With `num_threads` > 1 and several files, the files are read on that many threads
@@ -372,7 +375,10 @@ def _read_file(kind: str, path: str, skip: Callable[[str], bool] | None) -> list
 
         with safe_open(path, framework="pt", device="cpu") as h:
             return [(n, h.get_tensor(n)) for n in h.keys() if skip is None or not skip(n)]  # noqa: SIM118
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
     return [(k, v) for k, v in state.items() if skip is None or not skip(k)]

@@ -39,8 +39,8 @@ def serialize_checkpoint(model_path: str, uri: str, ignore_patterns: tuple[str, 
     returns how many."""
     from aserve.model.loader import iterate_weights
 
-    serializer = _tensorizer().TensorSerializer(uri)
     state = dict(iterate_weights(model_path, "auto", ignore_patterns=ignore_patterns))
+    serializer = _tensorizer().TensorSerializer(uri)
     try:
         serializer.write_state_dict(state)
     finally:

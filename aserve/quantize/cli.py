@@ -42,7 +42,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="gptq / awq: input columns per scale (default: 128, or 64 or 32 where 128 does not divide "
                         "every layer's inputs; -1: one per output channel)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="GPUs the result will be served on: the group size is checked against each GPU's shard")
+                   help="GPUs the result will be served on (e.g. by vLLM; aserve serves quantized checkpoints "
+                        "at tensor-parallel size 1 today): the group size is checked against each GPU's shard")
     p.add_argument("--multi-query-mode", action="store_true",
                    help="the model uses multi-query / grouped-query attention (checked; SmoothQuant smooths q, k "
                         "and v from one norm either way)")

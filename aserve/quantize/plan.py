@@ -99,7 +99,10 @@ def _check_shapes(args, cfg: dict[str, Any], inputs: dict[str, int]) -> int:
                         "(not multi-query / grouped-query attention); drop the flag")
     gs = args.group_size if args.quant_type in GROUPED_TYPES else -1
     if gs != -1 and not args.group_size_given:  # the default: 128 where it fits, else 64 or 32
-        gs = next((g for g in DEFAULT_GROUP_SIZES if all(k // tp % g == 0 for k in inputs.values())), gs)
+        def shard(name: str, k: int) -> int:
+            return k // tp if name.rsplit(".", 1)[-1] in ROW_PARALLEL_SUFFIXES else k
+
+        gs = next((g for g in DEFAULT_GROUP_SIZES if all(shard(n, k) % g == 0 for n, k in inputs.items())), gs)
     for name, k in inputs.items():
         row_parallel = name.rsplit(".", 1)[-1] in ROW_PARALLEL_SUFFIXES
         shard = k // tp if row_parallel else k

@@ -31,7 +31,9 @@ class QuantizeResult:
 @contextlib.contextmanager
 def _without_pinned_memory() -> Iterator[None]:
     """llm-compressor 0.14's AWQ pins its cached activations for GPU transfers, which raises on a machine
-    without an accelerator; on such a machine pinning is skipped for the duration of the run."""
+    without an accelerator; on such a machine pinning is skipped for the duration of the run. (The one
+    patch of a library class in aserve: it has no option for this; the original is restored on exit, and
+    `aserve quantize` runs one quantization per process.)"""
     import torch
     from llmcompressor.pipelines.cache import IntermediatesCache
 

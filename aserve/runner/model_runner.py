@@ -3,15 +3,14 @@
 `load_model()` -> `initialize_kv_cache()` (sizes the pool: CPU budget, GPU profiling, or the
 override) -> `capture_graphs()` (CUDA graphs; on CPU with -O3 the inductor-compiled decode) ->
 `execute(SchedulerOutput) -> RunnerOutput` per step.
-It never decides policy: it runs exactly what the scheduler emitted, and trusts its input (intake
-validated it).
+It never decides policy: it runs what the scheduler emitted and trusts its input (intake validated it).
 
 Guided requests (structured outputs) keep a grammar state in `runner/structured.py`; the step's
 bitmask is filled on a helper thread while the forward pass runs and applied in the sampler.
 
-Failures: what can be pinned on one request (building its sampling state or its grammar, running its
-logits processors, its grammar rejecting the sampled token) fails that request alone: its state is dropped, it is left out of the step's sampling and
-reported in `RunnerOutput.failed_requests`. Anything else `execute` raises (the forward pass) is fatal.
+Failures: what can be pinned on one request (its sampling state or grammar, its logits processors, its
+grammar rejecting the sampled token) fails that request alone: its state is dropped, it is left out of the
+step's sampling and reported in `RunnerOutput.failed_requests`. Anything else `execute` raises is fatal.
 """
 
 from __future__ import annotations
@@ -27,16 +26,15 @@ from aserve.config.parallel import rank_arch_config
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.collectives import all_reduce_min
 from aserve.distributed.context import SINGLE, ParallelContext
-from aserve.lora.errors import LoRAAdapterError
-from aserve.lora.request import LoRARequest
+from aserve.lora import LoRAAdapterError, LoRARequest
 from aserve.model.forward_context import ForwardContext, set_forward_context
-from aserve.model.kv_scales import arm_calculation, layer_scales, set_layer_scales
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from aserve.runner.kv_memory import ModelInputsForProfile, zeroed
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
+from aserve.runner.kv_scales_step import KVScaleCalculation
 from aserve.runner.sleep_mode import RunnerSleep
 from aserve.runner.spec_decode import make_proposer, make_typical_acceptance
 from aserve.runner.step_sampling import StepSamples, StepSampler
@@ -87,19 +85,14 @@ class ModelRunner:
         self.static_sizes = capture_sizes(config.scheduler.max_num_seqs)
         self.max_blocks_per_seq = math.ceil(config.model.max_model_len / self.block_size)
         self.sleep_state = RunnerSleep()
-        # --calculate-kv-scales: the first executed step (not the profile run or a warm-up) computes every layer's
-        # fp8 KV scales; decode graphs / the compiled decode are captured after it, so they hold those scales.
-        self._kv_scales_pending = config.cache.calculate_kv_scales
-        self._kv_scales_calculated: list[tuple[float, float]] | None = None  # kept for a reload (sleep level 2)
-        self._capture_deferred = False
+        self.kv_scale_calc = KVScaleCalculation(config.cache.calculate_kv_scales)  # --calculate-kv-scales
         torch.manual_seed(config.model.seed)
 
     # -- start-up ----------------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = load_model(self.config, self.backend, self.device, self.parallel)
-        if self._kv_scales_calculated is not None:  # reloaded (sleep level 2): the scales computed before
-            set_layer_scales(self.model, self._kv_scales_calculated, "calculated")
+        self.kv_scale_calc.restore(self.model)  # reloaded (sleep level 2): the scales computed before
         if self.config.lora.enable_lora:
             from aserve.runner.lora_step import RunnerLoRA
 
@@ -218,8 +211,7 @@ class ModelRunner:
         """CUDA, unless enforce_eager: capture the decode graphs. Only host-sync-free backends can be
         captured; the torch backend checks its slots on the host, so with it decode stays eager.
         CPU with `compile_sizes` (-O3): compile the decode forward for those batch sizes instead."""
-        if self._kv_scales_pending:  # captured after the first step computed the fp8 KV scales (_forward)
-            self._capture_deferred = True
+        if self.kv_scale_calc.defer_capture():  # captured after the first step computed the fp8 KV scales
             return
         sizes = self.config.runner.compile_sizes
         if self.device.type == "cpu" and sizes:
@@ -327,8 +319,9 @@ class ModelRunner:
         """`context`: the step's forward context (LoRA slots). CUDA graphs read the LoRA slots from the
         static buffer they were captured with; the CPU compiled decode holds no LoRA work, so steps
         with LoRA tokens run eagerly there."""
-        if self._kv_scales_pending:
-            return self._forward_computing_kv_scales(inputs, context)
+        if self.kv_scale_calc.pending:
+            return self.kv_scale_calc.first_step(self.model, lambda: self._forward(inputs, context),
+                                                 self.capture_graphs, inputs.meta.num_tokens)
         meta = inputs.meta
         lora = context.lora if context is not None else None
         if (lora is None and self.compiled_decode is not None
@@ -344,21 +337,6 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, meta)
         with set_forward_context(context):
             return self.model(inputs.input_ids, inputs.positions, meta)
-
-    def _forward_computing_kv_scales(self, inputs: ModelInputs, context: ForwardContext | None) -> torch.Tensor:
-        """--calculate-kv-scales: run this first step eagerly with every attention layer computing its fp8 KV
-        scales from the step's K/V (aserve/model/kv_scales.py), keep them, then capture what was deferred."""
-        self._kv_scales_pending = False
-        arm_calculation(self.model)
-        hidden = self._forward(inputs, context)
-        self._kv_scales_calculated = layer_scales(self.model)
-        ks, vs = [k for k, _ in self._kv_scales_calculated], [v for _, v in self._kv_scales_calculated]
-        logger.info("--calculate-kv-scales: fp8 KV scales of %d layers from the first step (%d tokens): k %.3g..%.3g, "
-                    "v %.3g..%.3g", len(ks), inputs.meta.num_tokens, min(ks), max(ks), min(vs), max(vs))
-        if self._capture_deferred:
-            self._capture_deferred = False
-            self.capture_graphs()
-        return hidden
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:

@@ -57,3 +57,19 @@ def test_cli_flags_reach_the_typed_config(tiny_llama):
                                  "--max-parallel-loading-workers", "1"])
     options = engine_args.create_config().load.options
     assert options == LoaderOptions(multithread_load=True, num_threads=2, max_parallel_loading_workers=1)
+
+
+def test_tensorizer_refuses_a_quantized_checkpoint(tmp_path):
+    import json
+
+    from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
+
+    save_tiny_hf(tmp_path, "llama", seed=0, **GREEDY_STABLE)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    uri = tmp_path / "m.tensors"
+    uri.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="^--load-format: 'tensorizer' reads float checkpoints"):
+        EngineArgs(model=str(tmp_path), load_format="tensorizer",
+                   model_loader_extra_config={"tensorizer_uri": str(uri)}).create_config()

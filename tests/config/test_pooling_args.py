@@ -61,6 +61,7 @@ def test_task_auto_serves_encoders_as_embedders_and_causal_lms_as_generators(wri
     ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
     ({"enable_lora": True}, "--enable-lora"),
     ({"model_impl": "transformers"}, "--model-impl"),
+    ({"kv_cache_dtype": "fp8", "calculate_kv_scales": True}, "--calculate-kv-scales"),
 ])
 def test_what_a_pooling_model_cannot_do_is_refused_naming_the_flag(write_model_dir, kwargs, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -17,7 +17,7 @@ def test_first_executed_step_computes_the_scales_then_they_stay(tiny_llama):
     runner.load_model()
     runner.initialize_kv_cache()
     runner.capture_graphs()
-    assert runner._capture_deferred  # captured once the scales exist
+    assert runner.kv_scale_calc.capture_deferred  # captured once the scales exist
     assert layer_scales(runner.model) == [(1.0, 1.0)] * 2
     prompt = [5, 17, 99, 3, 42, 8, 250, 7]
     new = NewRequestData("a", prompt, [], SamplingParams(temperature=0), [1, 2], 0, [2])
@@ -25,7 +25,7 @@ def test_first_executed_step_computes_the_scales_then_they_stay(tiny_llama):
     first = layer_scales(runner.model)
     assert all(k != 1.0 and v != 1.0 for k, v in first) and len(set(first)) == 2
     assert all(attn.kv_scales_source == "calculated" for attn in runner.model.attention_layers)
-    assert not runner._capture_deferred and not runner._kv_scales_pending
+    assert not runner.kv_scale_calc.capture_deferred and not runner.kv_scale_calc.pending
     for step in range(3):  # decodes: the scales stay as the first step set them
         out = runner.execute(SchedulerOutput([], [CachedRequestData("a", [], len(prompt) + step)], ["a"], [1], []))
         assert out.req_ids == ["a"]

@@ -3,7 +3,7 @@
 
 Checkpoint tensors per quantized Linear: `weight` int8 `[N, K]`, `weight_scale` fp32 `[N, 1]` (strategy
 "channel") or one value (strategy "tensor"), `input_scale` (one value, static activations only), and an
-all-zero `weight_zero_point` if written (symmetric; dropped).
+all-zero `weight_zero_point` / `input_zero_point` if written (symmetric; dropped).
 
 Form kept on the layer (output dim first, so a `MergedLinear` stacks q|k|v / gate|up along dim 0):
   `w8a8_weight`  int8 `[N, K]`  the checkpoint's codes (1 byte a weight stays resident)
@@ -130,7 +130,7 @@ class W8A8Int8Method(LinearMethodBase):
 
 
 # ---- reading the checkpoint -------------------------------------------------------------------------------
-_PARTS = ("weight", "weight_scale", "input_scale", "weight_zero_point")
+_PARTS = ("weight", "weight_scale", "input_scale", "weight_zero_point", "input_zero_point")
 
 
 def w8a8_prefixes(names: Iterable[str]) -> set[str]:
@@ -160,7 +160,7 @@ def w8a8_canonical(parts: dict[str, torch.Tensor], static: bool, where: str) -> 
     q = parts["weight"]
     if q.dtype != torch.int8 or q.dim() != 2:
         raise ValueError(f"{where}: W8A8 weight is {q.dtype} {tuple(q.shape)}; expected int8 [N, K]")
-    for suffix in ("weight_zero_point", "input_scale"):
+    for suffix in ("weight_zero_point", "input_zero_point", "input_scale"):
         if suffix in parts:
             _check_optional(suffix, parts[suffix], static, where)
     n = q.shape[0]
@@ -171,9 +171,10 @@ def w8a8_canonical(parts: dict[str, torch.Tensor], static: bool, where: str) -> 
 
 
 def _check_optional(suffix: str, tensor: torch.Tensor, static: bool, where: str) -> None:
-    """ValueError for a non-zero `weight_zero_point`, or an `input_scale` with dynamic activations."""
-    if suffix == "weight_zero_point" and bool(tensor.any()):
-        raise ValueError(f"{where}: non-zero weight_zero_point (asymmetric weights are not implemented)")
+    """ValueError for a non-zero `weight_zero_point` / `input_zero_point`, or an `input_scale` with dynamic
+    activations (all-zero zero points, which symmetric checkpoints may write, are dropped)."""
+    if suffix in ("weight_zero_point", "input_zero_point") and bool(tensor.any()):
+        raise ValueError(f"{where}: non-zero {suffix} (asymmetric quantization is not implemented)")
     if suffix == "input_scale" and not static:
         raise ValueError(f"{where}: an input_scale, but the config's input_activations are dynamic")
 

@@ -191,3 +191,15 @@ def test_ct_w8a16_group_checkpoint_stays_dequantized(tmp_path):
     ours = load_ours(quant, "float32")
     assert all(layer.weight.dtype == torch.float32 for _, layer in linear_layers(ours))
     _assert_close_outputs(ours, load_ours(deq, "float32"))
+
+
+def test_all_zero_zero_points_are_dropped_non_zero_refused():
+    from aserve.model.quantization.w8a8 import w8a8_canonical
+
+    q = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
+    parts = {"weight": q, "weight_scale": torch.rand(8, 1) + 0.1, "input_scale": torch.tensor([0.5]),
+             "weight_zero_point": torch.zeros(8, 1, dtype=torch.int8), "input_zero_point": torch.zeros(1, dtype=torch.int8)}
+    out = w8a8_canonical(parts, static=True, where="m")
+    assert set(out) == {"w8a8_weight", "w8a8_scale", "w8a8_input_scale"} and torch.equal(out["w8a8_weight"], q)
+    with pytest.raises(ValueError, match="non-zero input_zero_point"):
+        w8a8_canonical({**parts, "input_zero_point": torch.ones(1, dtype=torch.int8)}, static=True, where="m")
