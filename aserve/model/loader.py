@@ -177,16 +177,21 @@ def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torc
     return assign.gguf_weights(floats, gguf, native)
 
 
+def _checkpoint_tensor_names(model_path: str, load_format: str, what: str) -> list[str]:
+    """The tensor names of a quantized checkpoint's safetensors files; ValueError (naming `what`) for others."""
+    kind, files = weight_files(model_path, load_format)
+    if kind != "safetensors":
+        raise ValueError(f"{what} are read from safetensors only")
+    return _tensor_names(files)
+
+
 def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
                                   load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """Set the checkpoint method on the layers the checkpoint quantizes; the tensors to load, each
     quantized module's in the method's form (aserve/model/quantization/checkpoint_formats.py)."""
     from aserve.model.quantization import checkpoint_formats
 
-    kind, files = weight_files(model_path, load_format)
-    if kind != "safetensors":
-        raise ValueError(f"--quantization {spec.method}: quantized checkpoints are read from safetensors only")
-    names = _tensor_names(files)
+    names = _checkpoint_tensor_names(model_path, load_format, f"--quantization {spec.method}: quantized checkpoints")
     targets = checkpoint_formats.assign_methods(model, spec, _not_ignored(
         spec, checkpoint_formats.quantized_prefixes(names, spec)))
     logger.info("--quantization %s: %d-bit, group size %d%s: %d of %d Linear layers quantized in the checkpoint",
@@ -202,10 +207,8 @@ def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
     (aserve/model/quantization/fp8.py)."""
     from aserve.model.quantization import fp8
 
-    kind, files = weight_files(model_path, load_format)
-    if kind != "safetensors":
-        raise ValueError("--quantization fp8: fp8 checkpoints are read from safetensors only")
-    prefixes = _not_ignored(spec, fp8.fp8_prefixes(_tensor_names(files)))
+    names = _checkpoint_tensor_names(model_path, load_format, "--quantization fp8: fp8 checkpoints")
+    prefixes = _not_ignored(spec, fp8.fp8_prefixes(names))
     targets = fp8.assign_fp8_methods(model, spec.block_size, prefixes)
     logger.info("--quantization fp8: %s scales, %s activations (served unquantized): %d of %d Linear layers fp8 "
                 "in the checkpoint; kernel: %s",
@@ -221,11 +224,9 @@ def _w8a8_checkpoint_weights(model: nn.Module, spec, model_path: str,
     tensors to load (aserve/model/quantization/w8a8.py)."""
     from aserve.model.quantization import w8a8
 
-    kind, files = weight_files(model_path, load_format)
-    if kind != "safetensors":
-        raise ValueError("--quantization compressed-tensors: W8A8 checkpoints are read from safetensors only")
+    names = _checkpoint_tensor_names(model_path, load_format, "--quantization compressed-tensors: W8A8 checkpoints")
     static = spec.activation_scheme == "static"
-    targets = w8a8.assign_w8a8_methods(model, static, _not_ignored(spec, w8a8.w8a8_prefixes(_tensor_names(files))))
+    targets = w8a8.assign_w8a8_methods(model, static, _not_ignored(spec, w8a8.w8a8_prefixes(names)))
     logger.info("--quantization compressed-tensors: W8A8 int8, %s activations: %d of %d Linear layers int8 in the "
                 "checkpoint; kernel: %s", "static per-tensor" if static else "dynamic per-token",
                 len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)), w8a8.KERNEL)
@@ -238,10 +239,8 @@ def _bnb_checkpoint_weights(model: nn.Module, spec, model_path: str,
     (aserve/model/quantization/bitsandbytes.py)."""
     from aserve.model.quantization import bitsandbytes as bnb
 
-    kind, files = weight_files(model_path, load_format)
-    if kind != "safetensors":
-        raise ValueError("--quantization bitsandbytes: bitsandbytes checkpoints are read from safetensors only")
-    prefixes = bnb.quantized_prefixes(_tensor_names(files), spec.bits)
+    names = _checkpoint_tensor_names(model_path, load_format, "--quantization bitsandbytes: bitsandbytes checkpoints")
+    prefixes = bnb.quantized_prefixes(names, spec.bits)
     targets, dequantized = bnb.assign_checkpoint_methods(model, spec.bits, prefixes)
     logger.info("--quantization bitsandbytes: %s checkpoint: %d of %d Linear layers quantized%s",
                 f"4-bit {spec.quant_type}" if spec.bits == 4 else "8-bit LLM.int8()",

@@ -20,18 +20,22 @@ pytestmark = pytest.mark.timeout(300)
 MAX_NEW = 8
 
 
-def test_gptq_checkpoint_served_greedy_matches_hf_on_its_dequantized_copy(tmp_path):
-    quant, deq = build(tmp_path, "gptq", group_size=64, desc_act=True, sym=False, v1=True, intermediate_size=96)
-    prompts = PROMPTS[:3]
-    reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
+def _served_greedy(quant, prompts: list[list[int]]) -> list[list[int]]:
+    """The server's greedy completions (token ids) of `prompts`, with the checkpoint `quant` served as is."""
     with serving(str(quant), quiet_args(), skip_tokenizer_init=True, max_model_len=128, dtype="float32") as (
             _, address):
         client = openai.OpenAI(base_url=f"{address.url}/v1", api_key="unused", max_retries=0)
         out = client.completions.create(model=str(quant), prompt=prompts, max_tokens=MAX_NEW, temperature=0,
                                         logprobs=0, extra_body={"ignore_eos": True})
     choices = sorted(out.choices, key=lambda c: c.index)
-    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in choices]
-    assert got == reference
+    return [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in choices]
+
+
+def test_gptq_checkpoint_served_greedy_matches_hf_on_its_dequantized_copy(tmp_path):
+    quant, deq = build(tmp_path, "gptq", group_size=64, desc_act=True, sym=False, v1=True, intermediate_size=96)
+    prompts = PROMPTS[:3]
+    reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
+    assert _served_greedy(quant, prompts) == reference
 
 
 def test_bitsandbytes_checkpoint_served_greedy_matches_hf_on_its_dequantized_copy(tmp_path):
@@ -46,14 +50,7 @@ def test_bitsandbytes_checkpoint_served_greedy_matches_hf_on_its_dequantized_cop
                               bnb_4bit_use_double_quant=True)
     prompts = PROMPTS[:3]
     reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
-    with serving(str(quant), quiet_args(), skip_tokenizer_init=True, max_model_len=128, dtype="float32") as (
-            _, address):
-        client = openai.OpenAI(base_url=f"{address.url}/v1", api_key="unused", max_retries=0)
-        out = client.completions.create(model=str(quant), prompt=prompts, max_tokens=MAX_NEW, temperature=0,
-                                        logprobs=0, extra_body={"ignore_eos": True})
-    choices = sorted(out.choices, key=lambda c: c.index)
-    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in choices]
-    assert got == reference
+    assert _served_greedy(quant, prompts) == reference
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "w8a16", "w8a8"])
@@ -76,11 +73,4 @@ def test_compressed_tensors_checkpoints_served(tmp_path, scheme):
             llm.engine.shutdown()
     else:
         reference = hf_greedy(str(deq), prompts, MAX_NEW, ignore_eos=True)
-    with serving(str(quant), quiet_args(), skip_tokenizer_init=True, max_model_len=128, dtype="float32") as (
-            _, address):
-        client = openai.OpenAI(base_url=f"{address.url}/v1", api_key="unused", max_retries=0)
-        out = client.completions.create(model=str(quant), prompt=prompts, max_tokens=MAX_NEW, temperature=0,
-                                        logprobs=0, extra_body={"ignore_eos": True})
-    choices = sorted(out.choices, key=lambda c: c.index)
-    got = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in choices]
-    assert got == reference
+    assert _served_greedy(quant, prompts) == reference
