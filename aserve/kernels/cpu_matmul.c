@@ -177,17 +177,19 @@ static inline void int4_codes_to_bf16(const uint8_t *p, __m512bh *lo, __m512bh *
  * Two accumulators per output vector (low / high nibble codes) halve the dot products' dependency chains. */
 static inline __attribute__((always_inline)) void int4_block(
     const bf16 *x, int64_t x_stride, const float *xsum, int64_t groups, const uint8_t *qp, const uint16_t *dp,
-    const uint16_t *mp, int64_t K, const int64_t MB, const int64_t NG, __m512 total[4][4]) {
+    const uint16_t *mp, int64_t K, int64_t gs, const int64_t MB, const int64_t NG, __m512 total[4][4]) {
     const int64_t q_stride = K * 8, s_stride = groups * 16; /* bytes of codes per 16 columns: K * 16 / 2 */
+    const int64_t g_bytes = gs * 8, g_steps = gs / 4; /* a group's code bytes per 16 columns; its k-steps */
     for (int64_t i = 0; i < MB; i++)
         for (int64_t j = 0; j < NG; j++) total[i][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc0[4][4], acc1[4][4];
         for (int64_t i = 0; i < MB; i++)
             for (int64_t j = 0; j < NG; j++) acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < NG; j++) /* the next group's codes: 256 bytes per 16 columns */
-            for (int64_t p = 2048; p < 2048 + 256; p += 64) _mm_prefetch((const char *)(qp + j * q_stride + g * 256 + p), _MM_HINT_T0);
-        for (int64_t t = g * 8; t < g * 8 + 8; t++) { /* 4 values of k per step */
+        for (int64_t j = 0; j < NG; j++) /* codes 2 KiB ahead, one group's worth (g_bytes per 16 columns) */
+            for (int64_t p = 2048; p < 2048 + g_bytes; p += 64)
+                _mm_prefetch((const char *)(qp + j * q_stride + g * g_bytes + p), _MM_HINT_T0);
+        for (int64_t t = g * g_steps; t < (g + 1) * g_steps; t++) { /* 4 values of k per step */
             __m512bh lo[4], hi[4];
             for (int64_t j = 0; j < NG; j++) int4_codes_to_bf16(qp + j * q_stride + t * 32, &lo[j], &hi[j]);
             for (int64_t i = 0; i < MB; i++) {
@@ -214,23 +216,25 @@ static inline __attribute__((always_inline)) void int4_block(
 #endif
 
 /* y [M, N] = x [M, K] @ W^T (+ bias) for group-wise 4-bit weights W[n, k] = q[n, k] * d[n, g] + m[n, g]
- * (g = k / 32; GGUF Q4_1 is this form, Q4_0 has m = -8 d). Packed per 16 output columns (cpu_ops.pack_int4):
- * q_packed [N/16][K/4][32] bytes (see int4_codes_to_bf16), d and m as [N/16][K/32][16] fp16 (GGUF's own
+ * (g = k / gs, gs a multiple of 32 dividing K; GGUF Q4_1 is this form with gs 32, Q4_0 has m = -8 d). Packed
+ * per 16 output columns (cpu_ops.pack_int4):
+ * q_packed [N/16][K/4][32] bytes (see int4_codes_to_bf16), d and m as [N/16][K/gs][16] fp16 (GGUF's own
  * precision; half the bytes of fp32, which matters when streaming). The codes enter the dot products as
  * 128 + q (exact in bf16; products exact in fp32) and m - 128 d is applied in fp32, so only x is rounded,
  * as in the bf16 path. N % 16 == 0, K % 32 == 0. y is bf16, or fp32 when y_f32.
- * AVX512-BF16 only (returns -1 otherwise; -2 when the row sums cannot be allocated). */
+ * AVX512-BF16 only (returns -1 otherwise; -2 when the row sums cannot be allocated; -3 for a bad gs). */
 int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d, const uint16_t *m,
                          const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
-                         int64_t y_f32) {
+                         int64_t y_f32, int64_t gs) {
 #if defined(__AVX512BF16__)
-    const int64_t groups = K / 32, col_groups = N / 16;
+    if (gs < 32 || gs % 32 || K % gs) return -3;
+    const int64_t groups = K / gs, col_groups = N / 16;
     float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
     if (!xsum) return -2;
     for (int64_t i = 0; i < M; i++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
-            for (int64_t k = g * 32; k < g * 32 + 32; k++) s += bf16_to_f32(x[i * x_stride + k]);
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += bf16_to_f32(x[i * x_stride + k]);
             xsum[i * groups + g] = s;
         }
 #pragma omp parallel if (N * K > 65536)
@@ -247,10 +251,10 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
                 const bf16 *xb = x + m0 * x_stride;
                 const float *xs = xsum + m0 * groups;
                 __m512 total[4][4];
-                if (ng == 2 && mb == 4) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 4, 2, total);
-                else if (ng == 4 && mb == 1) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 1, 4, total);
-                else if (ng == 4 && mb == 2) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, 2, 4, total);
-                else int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, mb, ng, total); /* mb * ng <= 8 */
+                if (ng == 2 && mb == 4) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, gs, 4, 2, total);
+                else if (ng == 4 && mb == 1) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, gs, 1, 4, total);
+                else if (ng == 4 && mb == 2) int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, gs, 2, 4, total);
+                else int4_block(xb, x_stride, xs, groups, qp, dp, mp, K, gs, mb, ng, total); /* mb * ng <= 8 */
                 store_blocks(y, y_stride, m0, c0 * 16, total, mb, ng, bias, y_f32);
             }
         }
@@ -259,7 +263,7 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
     return 0;
 #else
     (void)x; (void)x_stride; (void)q_packed; (void)d; (void)m; (void)bias; (void)y; (void)y_stride; (void)M; (void)N;
-    (void)K; (void)y_f32;
+    (void)K; (void)y_f32; (void)gs;
     return -1;
 #endif
 }

@@ -44,7 +44,7 @@ _SIGNATURES = {
     "silu_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
-    "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I),
+    "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
 }
 
@@ -205,14 +205,17 @@ class CpuKernels:
         return out
 
     @staticmethod
-    def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Group-wise 4-bit weights `w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]` (q uint8
-        0..15 `[N, K]`, scale / offset float `[N, K/32]`) in the form `linear_int4` takes: codes
-        `[N/16, K/4, 32]` uint8 (two codes a byte, see cpu_ops.c) and scale / offset `[N/16, K/32, 16]`
-        fp16. None unless N % 16 == 0, K % 32 == 0 and every scale and offset is exact in fp16 (GGUF's
-        Q4_0 / Q4_1 are; `quantize_int4` rounds its own to fp16)."""
+    def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int = 32,
+                  exact: bool = True) -> tuple[torch.Tensor, ...] | None:
+        """Group-wise 4-bit weights `w[n, k] = q[n, k] * scale[n, k // gs] + offset[n, k // gs]` (q uint8
+        0..15 `[N, K]`, scale / offset float `[N, K/gs]`, gs = `group_size`, a multiple of 32) in the form
+        `linear_int4` takes: codes `[N/16, K/4, 32]` uint8 (two codes a byte, see cpu_ops.c) and scale /
+        offset `[N/16, K/gs, 16]` fp16. None unless N % 16 == 0, K % gs == 0 and (with `exact`) every scale
+        and offset is exact in fp16 (GGUF's Q4_0 / Q4_1 are; `quantize_int4` rounds its own to fp16);
+        without `exact` they are rounded to fp16 (a checkpoint's own scales)."""
         n, k = q.shape
-        if n % 16 or k % 32 or scale.shape != (n, k // 32) or offset.shape != scale.shape:
+        gs = group_size
+        if gs < 32 or gs % 32 or n % 16 or k % gs or scale.shape != (n, k // gs) or offset.shape != scale.shape:
             return None
         # [N/16, 16 columns, K/4 steps, 2 halves (k = 4t + 0..1 | 4t + 2..3), 2 (k within the pair)]
         codes = q.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)
@@ -220,9 +223,9 @@ class CpuKernels:
         packed = (codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
 
         def per_column_group(t: torch.Tensor) -> torch.Tensor:
-            return t.half().reshape(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()
+            return t.half().reshape(n // 16, 16, k // gs).permute(0, 2, 1).contiguous()
 
-        if not (_fp16_exact(scale) and _fp16_exact(offset)):
+        if exact and not (_fp16_exact(scale) and _fp16_exact(offset)):
             return None
         return packed.view(n // 16, k // 4, 32), per_column_group(scale), per_column_group(offset)
 
@@ -233,16 +236,17 @@ class CpuKernels:
         the bf16 path). Needs `native_bf16_dot`."""
         codes, scale, offset = packed
         rows, k = x.shape
-        n = codes.shape[0] * 16
+        n, gs = codes.shape[0] * 16, k // scale.shape[1]  # the group size the scales were packed with
         if x.stride(1) != 1 or codes.shape[1] * 4 != k or (bias is not None and bias.shape[0] != n):
             raise ValueError(f"linear_int4: x {tuple(x.shape)} does not fit packed codes {tuple(codes.shape)}")
         out = torch.empty((rows, n), dtype=out_dtype)
         status = self._linear_int4(x.data_ptr(), x.stride(0), codes.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
-                                   out_dtype == torch.float32)
+                                   out_dtype == torch.float32, gs)
         if status:
-            raise RuntimeError("linear_int4: this build has no native bf16 dot product" if status == -1
-                               else "linear_int4: out of memory")
+            raise RuntimeError({-1: "linear_int4: this build has no native bf16 dot product",
+                                -3: f"linear_int4: group size {gs} is not a multiple of 32 dividing K={k}"}
+                               .get(status, "linear_int4: out of memory"))
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

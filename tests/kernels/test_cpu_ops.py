@@ -144,6 +144,32 @@ def test_linear_int4(kernels, rows):
     assert_rounded_once(kernels.linear_int4(x, packed, bias), want, exact_fraction=0.95)
 
 
+@pytest.mark.parametrize("group_size", [64, 128])
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_linear_int4_wider_groups(kernels, rows, group_size):
+    """One scale / offset per `group_size` columns (GPTQ / AWQ groups as they are), against the reference."""
+    gen = torch.Generator().manual_seed(21)
+    n, k = 32, 256
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group_size, generator=gen) * 0.1 + 0.01
+    offset = torch.randn(n, k // group_size, generator=gen) * 0.1
+    assert kernels.pack_int4(q, scale, offset, group_size) is None  # not exact in fp16
+    packed = kernels.pack_int4(q, scale, offset, group_size, exact=False)  # rounded to fp16
+    assert packed[1].shape == (n // 16, k // group_size, 16)
+    assert kernels.pack_int4(q, scale, offset, 48, exact=False) is None  # not a multiple of 32
+    weight = (q.float() * scale.half().float().repeat_interleave(group_size, 1)
+              + offset.half().float().repeat_interleave(group_size, 1))
+    x = _rand(rows, k, seed=22)
+    if not kernels.native_bf16_dot:
+        return
+    want = x.float() @ weight.T
+    torch.testing.assert_close(kernels.linear_int4(x, packed, None, torch.float32), want, rtol=1e-5, atol=1e-4)
+    narrow = kernels.pack_int4(q, scale.half().float().repeat_interleave(group_size // 32, 1),
+                               offset.half().float().repeat_interleave(group_size // 32, 1))
+    torch.testing.assert_close(kernels.linear_int4(x, packed, None, torch.float32),
+                               kernels.linear_int4(x, narrow, None, torch.float32), rtol=1e-5, atol=1e-4)
+
+
 def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window, softcap=None):
     """fp32 SDPA over each sequence's gathered keys / values (the last `window` of them when set);
     with `softcap`, aserve's reference capped attention."""

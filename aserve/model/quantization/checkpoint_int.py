@@ -13,8 +13,10 @@ Groups are contiguous runs of `group_size` columns, the last one possibly shorte
 `ceil(K / group_size)` groups); `group_size` -1 is one group over K.
 
 After loading, 4-bit layers the kernel takes (N % 16 == 0, K % 32 == 0, every group boundary a
-multiple of 32) go to the kernel with its groups of 32 (each format group's scale repeated over its
-32-column sub-groups, exact; offset `-zero * scale`). 8-bit channel-wise symmetric layers (one group,
+multiple of 32) go to the kernel with one scale and offset (`-zero * scale`) per format group when the
+group size is one of `NATIVE_GROUP_SIZES` and divides K, else per 32-column sub-group (the format
+group's repeated, exact). aserve's C kernel keeps them in fp16 (a checkpoint's scales rounded to fp16,
+a relative 2^-11 at most: below the bf16 activations' own rounding). 8-bit channel-wise symmetric layers (one group,
 every zero point 128: compressed-tensors W8A16 channel, symmetric GPTQ 8-bit with group_size -1) keep
 their codes as int8 `q - 128` with per-row scales in the model dtype and multiply in the int8
 weight-only kernel (`int8.int8_linear`, `_weight_int8pack_mm`), 1 byte a weight. Any other layer
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
+# Format group sizes the 4-bit kernels take as they are (one scale per group); others are repeated over groups of 32.
+NATIVE_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def num_groups(input_size: int, group_size: int) -> int:
@@ -105,9 +109,11 @@ class CheckpointIntMethod(LinearMethodBase):
         reason = self._kernel_refusal(n, k)
         if reason is None:
             gs = k if self.group_size == -1 else self.group_size
-            sub = (torch.arange(k // GROUP_SIZE) * GROUP_SIZE) // gs  # each 32-column sub-group's group
-            s32, z32 = scales[:, sub], zeros[:, sub]
-            pack_int4(layer, codes, s32, (8.0 - z32) * s32, layer.params_dtype, GROUP_SIZE)
+            kernel_gs = gs if gs in NATIVE_GROUP_SIZES and k % gs == 0 else GROUP_SIZE
+            sub = (torch.arange(k // kernel_gs) * kernel_gs) // gs  # each kernel group's format group
+            s_k, z_k = scales[:, sub], zeros[:, sub]
+            pack_int4(layer, codes, s_k, (8.0 - z_k) * s_k, layer.params_dtype, kernel_gs, exact=False)
+            layer.int4_group_size = kernel_gs
             return
         key = f"{self.name}:{reason}"
         if key not in _logged:
@@ -138,4 +144,4 @@ class CheckpointIntMethod(LinearMethodBase):
         q8 = getattr(layer, "int8_weight", None)
         if q8 is not None:
             return int8_linear(x, q8, layer.int8_scales, bias)
-        return int4_linear(layer, x, GROUP_SIZE, bias)
+        return int4_linear(layer, x, layer.int4_group_size, bias)

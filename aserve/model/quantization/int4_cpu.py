@@ -75,24 +75,26 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def _c_kernels(dtype: torch.dtype, group_size: int) -> CpuKernels | None:
-    """aserve's C int4 kernel, where it applies: bf16 activations, groups of 32, native bf16 dot products."""
-    if dtype != torch.bfloat16 or group_size != 32:
+    """aserve's C int4 kernel, where it applies: bf16 activations, groups of a multiple of 32, native bf16
+    dot products."""
+    if dtype != torch.bfloat16 or group_size % 32:
         return None
     kernels = cpu_ops.load()
     return kernels if kernels is not None and kernels.native_bf16_dot else None
 
 
 def pack_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-              dtype: torch.dtype, group_size: int = GROUP_SIZE) -> None:
+              dtype: torch.dtype, group_size: int = GROUP_SIZE, exact: bool = True) -> None:
     """Register the kernel's operands on `layer`. With bf16 activations where aserve's C kernel applies
     (`cpu_ops.linear_int4`: groups of 32, AVX512-BF16): `int4_c_codes`, `int4_c_scale`, `int4_c_offset`
     (its packed form; it computes `sum(q x)` per group exactly and scales in fp32, so only x is rounded,
-    and it is 2x faster than torch's kernel at one row). Otherwise torch's: `int4_weight` (packed uint8)
+    and it is 2x faster than torch's kernel at one row; `exact`: only when every scale and offset is
+    exact in fp16, else they are rounded to fp16). Otherwise torch's: `int4_weight` (packed uint8)
     and `int4_scales_zeros` (`[K/group, N, 2]` in the activation dtype `dtype`); for fp32 also `int4_q`,
     `int4_scale`, `int4_zero` (the unpacked form, for prompts; see the module docstring)."""
     kernels = _c_kernels(dtype, group_size)
     if kernels is not None:
-        c_form = kernels.pack_int4(q, scale, zero.float() - 8.0 * scale.float())
+        c_form = kernels.pack_int4(q, scale, zero.float() - 8.0 * scale.float(), group_size, exact)
         if c_form is not None:
             for name, tensor in zip(("int4_c_codes", "int4_c_scale", "int4_c_offset"), c_form, strict=True):
                 register_weight(layer, name, tensor)

@@ -84,3 +84,24 @@ def test_awq_packed_in_gptq_nibble_order_changes_the_output(tmp_path):
     got = run_schedule(ours, PROMPTS[:1], [[(0, 11)]], 16)[0]
     want = run_schedule(ref, PROMPTS[:1], [[(0, 11)]], 16)[0]
     assert float((got - want).abs().max()) > 0.1
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_wider_groups_keep_one_scale_per_group_in_bf16(tmp_path, fmt):
+    """Group size 64 in bf16: the kernel holds one scale per format group (not repeated per 32 columns:
+    fewer resident bytes), and the outputs are those of the dequantized copy to bf16 rounding."""
+    from aserve.kernels import cpu_ops
+
+    quant, deq = build(tmp_path, fmt, group_size=64, intermediate_size=128)
+    ours = load_ours(quant, "bfloat16")
+    for name, layer in linear_layers(ours):
+        assert layer.int4_group_size == 64, name
+        kernels = cpu_ops.load()
+        if kernels is not None and kernels.native_bf16_dot:  # the C form: [N/16, K/64, 16] scales
+            assert layer.int4_c_scale.shape[1] == layer.input_size // 64, name
+    from tests.model._parity import teacher_forced_parity
+
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 512, (32,), generator=gen).tolist() for _ in range(3)]
+    report = teacher_forced_parity(load_ours(deq, "float32"), ours, sequences, start=1)
+    assert report.mean_kl <= 0.02, str(report)
