@@ -18,7 +18,8 @@ from aserve.config.parallel import check_tensor_parallel
 from aserve.config.lora import resolve_lora_config
 from aserve.config.observability import resolve_observability
 from aserve.config.pooling import bare_model_architecture, needs_whole_prompt, resolve_pooling_config, resolve_task
-from aserve.config.quantization import CUDA_METHODS, cuda_refusal, resolve_quantization
+from aserve.config.quantization import (CUDA_METHODS, checkpoint_quantization_config, cuda_refusal,
+                                        resolve_quantization)
 from aserve.config.kv_scales import resolve_kv_scales
 from aserve.config.loading import resolve_loader_options
 from aserve.config.speculative import resolve_num_lookahead_slots, resolve_speculative_config
@@ -104,6 +105,11 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
     # --load-format bitsandbytes (vLLM's older spelling) means --quantization bitsandbytes, weights read as auto.
     bnb_format = args.load_format == "bitsandbytes"
+    if bnb_format:
+        ckpt = (checkpoint_quantization_config(hf_cfg, str(path)) or {}).get("quant_method")
+        require(ckpt in (None, "bitsandbytes"), "load_format",
+                f"'bitsandbytes' quantizes a float checkpoint or reads a bitsandbytes one; {path} is a {ckpt!r} "
+                "checkpoint: drop --load-format bitsandbytes")
     quantization, quant_spec = resolve_quantization(args.quantization or ("bitsandbytes" if bnb_format else None),
                                                     hf_cfg, str(path), args.tensor_parallel_size)
     require(quantization is None or device == "cpu" or (device == "cuda" and quantization in CUDA_METHODS),

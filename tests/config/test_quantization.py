@@ -307,3 +307,10 @@ def test_a_bitsandbytes_checkpoint_with_another_flag_names_both(write_model_dir,
     with pytest.raises(ConfigError, match="^--quantization") as info:
         _load(write_model_dir(quantization_config=BNB_4BIT), quantization="int4")
     assert "'int4'" in str(info.value) and "'bitsandbytes'" in str(info.value)
+
+
+def test_load_format_bitsandbytes_on_another_format_names_the_load_format(write_model_dir, monkeypatch):
+    _bnb_installed(monkeypatch, True)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    with pytest.raises(ConfigError, match="^--load-format: 'bitsandbytes' quantizes a float checkpoint.*'gptq'"):
+        _load(write_model_dir(quantization_config=gptq), load_format="bitsandbytes")
