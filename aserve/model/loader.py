@@ -358,14 +358,20 @@ def iterate_weights(model_path: str, load_format: str, skip: Callable[[str], boo
             yield name, h.get_tensor(name)
         return
     for path in tqdm(files, desc="Loading weights", unit="file"):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+        state = _load_state_dict(path)
         yield from ((k, v) for k, v in state.items() if skip is None or not skip(k))
         del state
+
+
+def _load_state_dict(path: str) -> dict:
+    """A PyTorch weight file's state dict, memory-mapped where the file allows it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
+    return state
 
 
 def _read_file(kind: str, path: str, skip: Callable[[str], bool] | None) -> list[tuple[str, torch.Tensor]]:
@@ -374,13 +380,7 @@ def _read_file(kind: str, path: str, skip: Callable[[str], bool] | None) -> list
 
         with safe_open(path, framework="pt", device="cpu") as h:
             return [(n, h.get_tensor(n)) for n in h.keys() if skip is None or not skip(n)]  # noqa: SIM118
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # legacy (non-zip) checkpoints cannot be memory-mapped
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-    return [(k, v) for k, v in state.items() if skip is None or not skip(k)]
+    return [(k, v) for k, v in _load_state_dict(path).items() if skip is None or not skip(k)]
 
 
 def _read_files_threaded(kind: str, files: list[str], skip: Callable[[str], bool] | None,
