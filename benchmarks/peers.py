@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -224,11 +225,11 @@ def load_args(args: argparse.Namespace, base_url: str, model: str, concurrency: 
     return serving.parse_args(argv)
 
 
-def run_pass(system: System, args: argparse.Namespace, concurrency: int, num_prompts: int,
-             log_dir: str) -> dict:
-    """One fresh server, its start-up time and one measured pass: a result row."""
-    row = {"system": system.name, "key": system.key, "weights": system.weights, "concurrency": concurrency,
-           "num_prompts": num_prompts}
+def on_fresh_server(system: System, args: argparse.Namespace, concurrency: int, log_dir: str, row: dict,
+                    measure: Callable[[str, str], None]) -> None:
+    """Start `system` on a free port (its command line and start-up time go into `row`), call
+    `measure(base_url, log_path)` once it answers GET /health, then stop it. A server that exits or does
+    not become ready, and HTTP errors, become `row["failed"]`."""
     port = free_port()
     base_url = f"http://{HOST}:{port}"
     row["command"] = shlex.join([*system.argv, "--host", HOST, "--port", str(port)])
@@ -241,15 +242,27 @@ def run_pass(system: System, args: argparse.Namespace, concurrency: int, num_pro
         # every server answers GET /health 200 once ready (transformers serve's /v1/models answers
         # 500 when the hub cache folder does not exist)
         row["startup_s"] = wait_ready(proc, base_url + "/health", started, args.startup_timeout)
+        measure(base_url, log_path)
+    except (ServerError, httpx.HTTPError) as exc:
+        row["failed"] = f"{type(exc).__name__}: {exc} (log: {log_path})"
+    finally:
+        stop(proc, args.stop_grace)
+
+
+def run_pass(system: System, args: argparse.Namespace, concurrency: int, num_prompts: int,
+             log_dir: str) -> dict:
+    """One fresh server, its start-up time and one measured pass: a result row."""
+    row = {"system": system.name, "key": system.key, "weights": system.weights, "concurrency": concurrency,
+           "num_prompts": num_prompts}
+
+    def measure(base_url: str, _log_path: str) -> None:
         if args.warmup:
             asyncio.run(serving.run(load_args(args, base_url, system.model, 1, args.warmup,
                                               args.seed + 1_000_003, min(8, args.max_tokens))))
         row["report"] = asyncio.run(serving.run(load_args(args, base_url, system.model, concurrency,
                                                           num_prompts, args.seed, args.max_tokens)))
-    except (ServerError, httpx.HTTPError) as exc:
-        row["failed"] = f"{type(exc).__name__}: {exc} (log: {log_path})"
-    finally:
-        stop(proc, args.stop_grace)
+
+    on_fresh_server(system, args, concurrency, log_dir, row, measure)
     return row
 
 

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -274,27 +273,20 @@ def run_pass(system: peers.System, args: argparse.Namespace, concurrency: int, n
     """One fresh server: start-up time, a warm-up request, the measured pass, the spec-decode counts."""
     row = {"system": system.key, "weights": system.weights, "concurrency": concurrency,
            "num_prompts": num_prompts}
-    port = peers.free_port()
-    base_url = f"http://{peers.HOST}:{port}"
-    row["command"] = shlex.join([*system.argv, "--host", peers.HOST, "--port", str(port)])
-    log_path = os.path.join(log_dir, f"{system.key}-c{concurrency}.log")
-    started = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(shlex.split(row["command"]), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        row["startup_s"] = peers.wait_ready(proc, base_url + "/health", started, args.startup_timeout)
+
+    offset = {}
+
+    def run(base_url: str, log_path: str) -> None:
         warm = ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog."]
         asyncio.run(measure(base_url, warm, 1, 8, args.request_timeout))
-        before, log_offset = httpx.get(base_url + "/metrics").text, os.path.getsize(log_path)
+        before, offset[log_path] = httpx.get(base_url + "/metrics").text, os.path.getsize(log_path)
         row["report"] = asyncio.run(measure(base_url, pass_prompts(num_prompts), concurrency, args.max_tokens,
                                             args.request_timeout))
         row["spec"] = spec_from_metrics(before, httpx.get(base_url + "/metrics").text)  # llama: 501
-    except (peers.ServerError, httpx.HTTPError) as exc:
-        row["failed"] = f"{type(exc).__name__}: {exc} (log: {log_path})"
-    finally:
-        peers.stop(proc, args.stop_grace)
-    if system.key.startswith("llama") and "report" in row:
+
+    peers.on_fresh_server(system, args, concurrency, log_dir, row, run)
+    if system.key.startswith("llama") and "report" in row:  # llama.cpp reports its drafts in its log
+        ((log_path, log_offset),) = offset.items()
         with open(log_path, "rb") as f:
             row["spec"] = spec_from_llama_log(f.read()[log_offset:].decode(errors="replace"))
     return row
