@@ -5,14 +5,12 @@ dequantized (`q * scale`, fp32), which a float folder of the same model holds.""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from tests.model.quantization._quantized_checkpoints import pack
+from tests.model.quantization._quantized_checkpoints import pack, write_pair
 from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -87,13 +85,6 @@ def build_ct(root: Path, scheme: str, *, ignore: tuple[str, ...] = ("lm_head",),
         written, dq = _quantize(w.float(), scheme, group_size)
         qstate.update({f"{prefix}.{suffix}": t.contiguous() for suffix, t in written.items()})
         dstate[name] = dq.contiguous()
-    config = json.loads((src / "config.json").read_text())
-    for folder, tensors in ((quant, qstate), (deq, dstate)):
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        for extra in src.glob("generation_config.json"):
-            shutil.copy(extra, folder / extra.name)
     qc = ct_config(scheme, list(ignore), group_size)
-    (quant / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    (deq / "config.json").write_text(json.dumps(config))
+    write_pair(src, quant, qstate, deq, dstate, qc)
     return quant, deq

@@ -109,12 +109,6 @@ def build(root: Path, fmt: str, *, group_size: int = 32, desc_act: bool = False,
             qstate[f"{prefix}.qweight"] = pack(codes.t(), 1, order)
             qstate[f"{prefix}.qzeros"] = pack(zeros.t(), 1, order)
             qstate[f"{prefix}.scales"] = scales.t().contiguous()
-    config = json.loads((src / "config.json").read_text())
-    for folder, tensors in ((quant, qstate), (deq, dstate)):
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        for extra in src.glob("generation_config.json"):
-            shutil.copy(extra, folder / extra.name)
     if fmt == "gptq":
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
               "checkpoint_format": "gptq" if v1 else "gptq_v2"}
@@ -124,6 +118,18 @@ def build(root: Path, fmt: str, *, group_size: int = 32, desc_act: bool = False,
                   "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size}}}}
     else:
         qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
-    (quant / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    (deq / "config.json").write_text(json.dumps(config))
+    write_pair(src, quant, qstate, deq, dstate, qc)
     return quant, deq
+
+
+def write_pair(src: Path, quant: Path, qstate: dict, deq: Path, dstate: dict, quantization_config: dict) -> None:
+    """Write the quantized folder (`qstate`, config.json with `quantization_config`) and its dequantized
+    fp32 copy (`dstate`, config.json as `src`'s), each with `src`'s generation_config.json."""
+    config = json.loads((src / "config.json").read_text())
+    for folder, tensors, cfg in ((quant, qstate, {**config, "quantization_config": quantization_config}),
+                                 (deq, dstate, config)):
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for extra in src.glob("generation_config.json"):
+            shutil.copy(extra, folder / extra.name)
+        (folder / "config.json").write_text(json.dumps(cfg))

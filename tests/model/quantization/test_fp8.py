@@ -5,8 +5,6 @@ float checkpoint must keep top-1 >= 98% teacher-forced against fp32 and reflect 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from aserve.model.quantization.assign import linear_layers
 from tests.model._parity import greedy_generate, teacher_forced_parity
 from tests.model._tiny_models import load_ours, run_schedule
+from tests.model.quantization._quantized_checkpoints import write_pair
 from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -67,17 +66,10 @@ def build_fp8(root: Path, mode: str, *, static: bool = False, block: tuple[int, 
         if static:
             qstate[f"{prefix}.input_scale"] = torch.tensor(0.05)
         dstate[name] = dq.contiguous()
-    config = json.loads((src / "config.json").read_text())
-    for folder, tensors in ((quant, qstate), (deq, dstate)):
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        for extra in src.glob("generation_config.json"):
-            shutil.copy(extra, folder / extra.name)
     qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
     if mode == "block":
         qc["weight_block_size"] = list(block)
-    (quant / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    (deq / "config.json").write_text(json.dumps(config))
+    write_pair(src, quant, qstate, deq, dstate, qc)
     return quant, deq
 
 
