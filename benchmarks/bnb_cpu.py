@@ -15,23 +15,17 @@ Not part of CI; the README's quantization section quotes it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+from cpu_gemm import median_seconds
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536)]
 
 
 def _median_ms(fn, repeats: int = 20) -> float:
     with torch.no_grad():
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[repeats // 2]
+        return 1e3 * median_seconds(fn, repeats)
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ from aserve.model.quantization.cpu_packed import pack_weight, packed_linear
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
+def median_seconds(fn, repeats: int = 5) -> float:
+    """The median wall time of `repeats` calls of `fn`, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -56,7 +57,7 @@ def main() -> None:
         ]
         cells = []
         for fn in paths:
-            seconds = _median_seconds(fn)
+            seconds = median_seconds(fn)
             cells.append(f"{seconds * 1e3:.2f} ms ({flops / seconds / 1e9:.0f} GFLOP/s)")
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
