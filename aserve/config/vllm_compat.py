@@ -22,7 +22,6 @@ logger = logging.getLogger("aserve.config")
 
 _TEXT_ONLY = "aserve serves text-only models (multimodal inputs are not implemented)"
 _PROMPT_ADAPTER = "prompt adapters were removed from vLLM (0.8) and are not implemented by aserve"
-_QUANT = "not implemented yet (issue 20, quantization)"
 _RAY = "Ray is not implemented (aserve's executors are 'uni' and 'mp')"
 
 
