@@ -39,6 +39,7 @@ from aserve.config.quantization import (
     normalize_method,
 )
 from aserve.config.resolve import BUNDLED_MODEL_HUB_ID, resolve_config
+from aserve.config.scheduler_args import check_scheduler_args
 from aserve.config.schema import AserveConfig, StructuredOutputsConfig
 from aserve.config.speculative import validate_speculative_args
 
@@ -117,6 +118,10 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0  # 0: none, or 4% of max_model_len with max_num_partial_prefills > 1
     # a `Scheduler` subclass by dotted path (None, or vLLM's default names: aserve's own)
     scheduler_cls: str | None = None
+    # multi-step decode (aserve/core/multi_step.py): decode steps per scheduling call, and whether the
+    # async engine streams each step's tokens as it runs or all of a call's at its end
+    num_scheduler_steps: int = 1
+    multi_step_stream_outputs: bool = True
     rope_scaling: dict[str, Any] | None = None
     rope_theta: float | None = None
     hf_overrides: dict[str, Any] | None = None
@@ -244,17 +249,7 @@ class EngineArgs:
             require(value is None or math.isfinite(value), name, f"must be a finite number, got {value}")
         require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         require(self.max_logprobs >= 0, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
-        require(math.isfinite(self.scheduler_delay_factor) and self.scheduler_delay_factor >= 0,
-                "scheduler_delay_factor", f"must be a finite number >= 0, got {self.scheduler_delay_factor}")
-        require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
-                f"must be >= 1, got {self.max_num_partial_prefills}")
-        require(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills, "max_long_partial_prefills",
-                f"must be in [1, max_num_partial_prefills={self.max_num_partial_prefills}], "
-                f"got {self.max_long_partial_prefills}")
-        require(self.scheduler_cls is None or re.fullmatch(r"[A-Za-z_][\w.]*\.[A-Za-z_]\w*", self.scheduler_cls)
-                is not None, "scheduler_cls", f"must be a dotted path 'package.module.Class', got {self.scheduler_cls!r}")
-        require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
-                f"must be >= 0, got {self.long_prefill_token_threshold}")
+        check_scheduler_args(self)
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.swap_space >= 0, "swap_space", f"must be >= 0, got {self.swap_space}")

@@ -200,6 +200,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             scheduler_delay_factor=args.scheduler_delay_factor,
             scheduler_cls=None if args.scheduler_cls in VLLM_DEFAULT_SCHEDULERS else args.scheduler_cls,
             num_lookahead_slots=resolve_num_lookahead_slots(args, speculative),
+            num_scheduler_steps=args.num_scheduler_steps,
+            multi_step_stream_outputs=args.multi_step_stream_outputs,
         ),
         load=LoadConfig(load_format="auto" if bnb_format else args.load_format, quantization=quantization,
                         quant_spec=quant_spec,

@@ -86,6 +86,9 @@ class SchedulerConfig:
     scheduler_cls: str | None = None  # a Scheduler subclass by dotted path (None: aserve's own)
     # KV slots reserved past each request's scheduled tokens: max(--num-lookahead-slots, a draft model's k)
     num_lookahead_slots: int = 0
+    # multi-step decode (aserve/core/multi_step.py): decode steps per call; stream each step's tokens
+    num_scheduler_steps: int = 1
+    multi_step_stream_outputs: bool = True
 
 
 @dataclass(frozen=True)

@@ -46,10 +46,6 @@ def _refused(tp: str, default: Any, reason: str, **kw: Any) -> CompatArg:
     return CompatArg("refused", tp, default, reason, **kw)
 
 
-def _todo(tp: str, default: Any, what: str, **kw: Any) -> CompatArg:
-    return CompatArg("refused", tp, default, f"not implemented yet ({what})", **kw)
-
-
 COMPAT_ARGS: dict[str, CompatArg] = {
     # -- vLLM's own deprecated aliases and no-ops ---------------------------------------------------
     "use_v2_block_manager": CompatArg("noop", "bool", False, "deprecated no-op in vLLM: aserve's paged KV cache "
@@ -94,11 +90,7 @@ COMPAT_ARGS: dict[str, CompatArg] = {
                                          "tokenizers are not supported"),
     "multi_query_mode": _refused("bool", False, "an option of the quantization tool, not of a server: "
                                  "aserve quantize ... --multi-query-mode"),
-    # -- issue 25's "Implement" list, not implemented yet -------------------------------------------
-    "num_scheduler_steps": _todo("int", 1, "multi-step decode: N decode steps per scheduling call"),
-    "multi_step_stream_outputs": _todo("bool_opt", True, "streaming after every step of multi-step decode"),
     "use_tqdm_on_load": _refused("bool_opt", True, "", accepted=(False,)),  # aserve shows no loading bar
-    # -- owned by other issues ----------------------------------------------------------------------
     # -- speculative decoding's older flags: each sets one key of --speculative-config ----------------
     **{name: CompatArg("spec", tp, default, f"deprecated: use --speculative-config's {key!r} key", target=key)
        for name, tp, default, key in (

@@ -22,6 +22,11 @@ Protocol, per step:
     sampled (`RunnerOutput.draft_token_ids`); the scheduler decides how many it schedules.
   * `finished_req_ids`: finished, aborted or preempted since the last step: the runner drops them
     before doing anything else.
+  * Multi-step decode: `decode_steps[req_id]` (only when every scheduled request decodes one token)
+    asks the runner to run that many decode steps back to back, each step's sampled token the next
+    one's input, in KV slots the request already holds. Its `RunnerOutput` then carries up to that
+    many tokens per request; streamed, the runner reports each step as its own `RunnerOutput` (with
+    `decode_step` set) before the call returns the last.
   * `blocks_to_swap_out` / `blocks_to_swap_in`: (src, dst) block ids the runner applies before the
     forward pass (swap_out: device -> cpu, swap_in: cpu -> device). Only full blocks are ever shared,
     so no copy-on-write is needed.
@@ -66,6 +71,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     blocks_to_swap_in: list[tuple[int, int]] = []
     scheduled_spec_token_ids: dict[str, list[int]] = {}  # req_id -> drafts to verify this step
     propose_drafts: bool = False  # the runner proposes drafts for the requests that sample
+    # multi-step decode (core/multi_step.py): req_id -> decode steps to run back to back this call
+    # (every scheduled request is then decoding one token); empty: one step
+    decode_steps: dict[str, int] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -116,6 +124,9 @@ class RunnerOutput(msgspec.Struct, array_like=True):
     draft_token_ids: dict[str, list[int]] = {}
     # seconds in the model's forward pass this step (measured only with --collect-detailed-traces model|all)
     forward_time: float = 0.0
+    # multi-step decode: the index of the decode step whose tokens this output starts with (0: the
+    # call's first step; a streamed later step holds one token per request)
+    decode_step: int = 0
 
 
 class RunnerInfo(msgspec.Struct):

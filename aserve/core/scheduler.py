@@ -10,7 +10,8 @@ configured) and the allocation retried: under fcfs the latest admitted request o
 the most running requests (a flooding client loses memory first; with one client, the last running
 request); under priority the lowest-ranked one (`core/preemption.py`). At most `max_loras` LoRA
 adapters run at once (`core/lora_slots.py`); prefills share a step as `core/prefill_limits.py` says.
-With speculative decoding a decoding request also gets the drafts `core/spec_decoding.py` keeps.
+With speculative decoding a decoding request also gets the drafts `core/spec_decoding.py` keeps; with
+`--num-scheduler-steps` an all-decode step becomes a multi-step call (`core/multi_step.py`).
 
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run); `update()`
 appends the sampled tokens and applies the stop rules. The runner protocol: `aserve.core.batch`.
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 
 from aserve.config import CacheConfig, KVCacheInfo, SchedulerConfig
 from aserve.config.speculative import SpeculativeConfig
+from aserve.core.admission import admit_waiting
 from aserve.core.batch import (
     CachedRequestData,
     EngineCoreEventType,
@@ -33,6 +35,7 @@ from aserve.core.batch import (
 from aserve.core.fair_queue import FairQueue
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.lora_slots import LoRASlots
+from aserve.core.multi_step import MultiStepPolicy
 from aserve.core.preemption import victim_index
 from aserve.core.prefill_limits import PrefillLimits
 from aserve.core.request import Request, RequestStatus
@@ -76,6 +79,7 @@ class Scheduler:
         self.prefill_limits = prefill_limits or PrefillLimits(scheduler_config)
         self.drafts = DraftPolicy(speculative, self.max_model_len)
         self.num_lookahead_slots = scheduler_config.num_lookahead_slots  # KV slots past the step's tokens
+        self.multi_step = MultiStepPolicy(scheduler_config.num_scheduler_steps, self.max_model_len)
         self.num_preemptions = 0  # cumulative
         self._stats = StatsReporter()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
@@ -147,6 +151,7 @@ class Scheduler:
         lookahead = self.num_lookahead_slots
         spec_tokens: dict[str, list[int]] = {}
         speculate = self.drafts.step_enabled(len(running))
+        decode_counts: dict[str, int] = {}  # decoding request -> decode steps it may run (multi-step)
 
         # 1. Running requests, in order.
         i = 0
@@ -161,14 +166,16 @@ class Scheduler:
                 continue
             if num_new > remaining:
                 spec_tokens[req.request_id] = drafts[:num_new - remaining]
+            steps = self.multi_step.steps_for(req) if remaining == 1 == num_new else 1
             while True:
-                blocks = kv.allocate_slots(req, num_new + lookahead)
+                blocks = kv.allocate_slots(req, num_new + max(lookahead, steps - 1))
                 if blocks is not None:
                     break
                 victim_idx = self._victim_index()
                 victim = running[victim_idx]
                 budget += self._preempt(victim_idx, num_scheduled, new_block_ids, swap_out)
                 spec_tokens.pop(victim.request_id, None)
+                decode_counts.pop(victim.request_id, None)
                 preempted = True
                 if victim is req:
                     break
@@ -179,6 +186,8 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = blocks
             budget -= num_new
+            if remaining == 1 == num_new:
+                decode_counts[req.request_id] = steps
             i += 1
 
         # 2. Swapped requests come back before new ones are admitted; nothing is admitted in a step
@@ -210,7 +219,7 @@ class Scheduler:
             # 3. Waiting requests.
             if not len(self.swapped) and (not len(self.waiting)
                                           or limits.may_admit(self.waiting.peek().arrival_time, bool(running))):
-                self._schedule_waiting(budget, num_scheduled, new_block_ids)
+                admit_waiting(self, budget, num_scheduled, new_block_ids)
 
         # 4. The output, in running order; then the step's tokens count as computed.
         new_reqs: list[NewRequestData] = []
@@ -239,60 +248,8 @@ class Scheduler:
                                num_scheduled_tokens=scheduled_nums, finished_req_ids=finished,
                                blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
                                scheduled_spec_token_ids=spec_tokens,
-                               propose_drafts=self.drafts.step_enabled(len(running)))
-
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
-                          new_block_ids: dict[str, list[int]]) -> None:
-        kv = self.kv_cache_manager
-        waiting = self.waiting
-        running = self.running
-        skipped: list[Request] = []
-        if isinstance(waiting, FairQueue):
-            waiting.start_step(running)
-        while len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
-            req = waiting.peek()
-            if ((req.wait_for_req_id is not None and not self._leader_ready(req.wait_for_req_id))
-                    or not self.lora_slots.can_admit(req)):
-                skipped.append(waiting.pop())
-                continue
-            computed_blocks, num_cached = kv.get_computed_blocks(req)
-            num_new = req.num_tokens - num_cached
-            if num_new > budget:
-                if not self.chunked_prefill:
-                    if self.priority_policy:
-                        skipped.append(waiting.pop())
-                        continue
-                    break
-                num_new = budget
-            num_new = self.prefill_limits.allowed(req, num_new, req.num_tokens - num_cached)
-            if num_new == 0:  # over the partial-prefill limits: a later (shorter) request may fit
-                skipped.append(waiting.pop())
-                continue
-            blocks = kv.allocate_slots(req, num_new + self.num_lookahead_slots, computed_blocks)
-            if blocks is None:
-                break
-            waiting.pop()
-            self.lora_slots.admit(req)
-            if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            req.record_event(EngineCoreEventType.SCHEDULED)
-            running.append(req)
-            num_scheduled[req.request_id] = num_new
-            new_block_ids[req.request_id] = blocks
-            budget -= num_new
-        if skipped:
-            waiting.add_front_all(skipped)
-
-    def _leader_ready(self, leader_id: str) -> bool:
-        """An n > 1 sibling may start once its leader's prompt is computed (or the leader is gone)."""
-        leader = self.requests.get(leader_id)
-        if leader is None:
-            return True
-        if leader.status in _WAITING_LIKE:
-            return False
-        return leader.num_computed_tokens >= leader.num_prompt_tokens
+                               propose_drafts=self.drafts.step_enabled(len(running)),
+                               decode_steps=self.multi_step.plan(decode_counts, num_scheduled))
 
     def _victim_index(self) -> int:  # the running request to preempt (core/preemption.py)
         return victim_index(self.running, self.priority_policy)
@@ -339,6 +296,7 @@ class Scheduler:
         prompt_logprobs = runner_output.prompt_logprobs
         logprobs = runner_output.logprobs
         spec_scheduled = scheduler_output.scheduled_spec_token_ids
+        decode_steps = scheduler_output.decode_steps
         drafts = runner_output.draft_token_ids
         any_finished = False
         for i, req_id in enumerate(runner_output.req_ids):
@@ -347,10 +305,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             tokens = runner_output.sampled_token_ids[i]
             if spec_scheduled:
-                verified = spec_scheduled.get(req_id)
-                if verified:  # the rejected drafts' KV slots count as not computed
-                    req.num_computed_tokens -= len(verified) + 1 - len(tokens)
-                    self.drafts.observe(verified, tokens)
+                self.drafts.settle(req, spec_scheduled.get(req_id), tokens)
+            elif req_id in decode_steps:
+                self.multi_step.settle(req, tokens, runner_output.decode_step == 0)
             num_kept, status = req.append_step_tokens(tokens, self.max_model_len)
             if drafts or req.spec_token_ids:  # the next step's drafts; the verified ones are spent
                 req.spec_token_ids = drafts.get(req_id, []) if status is None else []

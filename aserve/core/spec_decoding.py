@@ -44,6 +44,13 @@ class DraftPolicy:
         n = min(len(drafts), req.max_tokens - req.num_output_tokens - 1, self.max_len - req.num_tokens - 1)
         return drafts[:n] if n > 0 else []
 
+    def settle(self, req: Request, verified: list[int] | None, tokens: list[int]) -> None:
+        """After a verification step: the rejected drafts' KV slots count as not computed (they are
+        overwritten later), and the verification is counted."""
+        if verified:
+            req.num_computed_tokens -= len(verified) + 1 - len(tokens)
+            self.observe(verified, tokens)
+
     def observe(self, drafts: list[int], tokens: list[int]) -> None:
         """Counts one verification: the leading drafts the step's tokens agree with were accepted (an
         accepted draft that ended the request, e.g. EOS, included)."""

@@ -21,7 +21,7 @@ import time
 import anyio
 
 from aserve.config import EngineArgs
-from aserve.core.batch import SLEEP_TAGS, SchedulerOutput
+from aserve.core.batch import SLEEP_TAGS, RunnerOutput, SchedulerOutput
 from aserve.core.stats import InflightRequest, SchedulerStats
 from aserve.engine.builder import ExecutorFactory
 from aserve.engine.engine_core import EngineCoreOutputs
@@ -120,6 +120,8 @@ class AsyncEngine:
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.overlap = not engine.config.runner.disable_async_output_proc
+        # Multi-step decode: deliver each decode step's tokens while the call runs (else at its end).
+        self.stream_decode_steps = engine.config.scheduler.multi_step_stream_outputs
         # The executor runs one call at a time: a step, or an adapter load between steps (FIFO).
         self._executor_lock = anyio.Lock()
         self._asleep: set[str] = set()  # sleep mode: the parts (SLEEP_TAGS) not woken up yet
@@ -297,10 +299,22 @@ class AsyncEngine:
                 del self.streams[out.request_id]
 
     async def _execute(self, so: SchedulerOutput, result: list) -> None:
-        """Runs the step on a worker thread; an error is stored, not raised, so it is not wrapped in a group."""
+        """Runs the step on a worker thread; an error is stored, not raised, so it is not wrapped in a group.
+        A streamed multi-step call's decode steps are applied and delivered on the loop as they finish."""
+        on_progress = None
+        if so.decode_steps and self.stream_decode_steps:
+            started = [time.perf_counter()]
+
+            def deliver_step(step: RunnerOutput) -> None:  # on the event loop, while the call runs
+                now = time.perf_counter()
+                self._deliver(self.engine.core.update(so, step), now - started[0])
+                started[0] = now
+
+            def on_progress(step: RunnerOutput) -> None:  # on the worker thread
+                anyio.from_thread.run_sync(deliver_step, step)
         try:
             async with self._executor_lock:
-                result.append(await anyio.to_thread.run_sync(self.engine.core.execute_model, so))
+                result.append(await anyio.to_thread.run_sync(self.engine.core.execute_model, so, on_progress))
         except Exception as exc:
             result.append(exc)
 

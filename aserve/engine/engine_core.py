@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aserve.config import AserveConfig, ConfigError, KVCacheInfo
@@ -115,13 +116,16 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      on_progress: Callable[[RunnerOutput], None] | None = None) -> RunnerOutput:
         """Runs the step on the executor (blocking). Raises ExecutorDeadError when the runner is gone
-        or failed in a way no single request owns: that is fatal for the engine."""
+        or failed in a way no single request owns: that is fatal for the engine. `on_progress`: a
+        multi-step call's decode steps but the last, as they finish (Executor.execute); the caller
+        passes each to `update` before the returned output."""
         if not self._detailed_traces:
-            return self._executor.execute(scheduler_output)
+            return self._executor.execute(scheduler_output, on_progress)
         start = time.perf_counter()
-        output = self._executor.execute(scheduler_output)
+        output = self._executor.execute(scheduler_output, on_progress)
         self._last_execute_time = time.perf_counter() - start
         return output
 

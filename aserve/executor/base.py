@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -21,9 +22,12 @@ class Executor(Protocol):
         """Load the model, size and allocate the KV cache, capture graphs. Blocking."""
         ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput,
+                on_progress: Callable[[RunnerOutput], None] | None = None) -> RunnerOutput:
         """Run one step. Blocking: the async engine calls it from a worker thread. Failures one request owns
-        come back in `RunnerOutput.failed_requests`; any other failure raises ExecutorDeadError (fatal)."""
+        come back in `RunnerOutput.failed_requests`; any other failure raises ExecutorDeadError (fatal).
+        A multi-step call (`scheduler_output.decode_steps`) with `on_progress` streams: each decode step's
+        output but the last is passed to `on_progress` (on the calling thread) while the call runs."""
         ...
 
     def add_lora(self, lora_request: LoRARequest) -> None:

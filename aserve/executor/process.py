@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import NoReturn
 
@@ -43,6 +44,8 @@ _EXECUTE, _SHUTDOWN, _OK, _ERROR = b"E", b"S", b"O", b"X"
 _ADD_LORA, _REMOVE_LORA, _ADAPTER_ERROR = b"L", b"R", b"A"  # an adapter error leaves the worker running
 _decode_lora = msgspec.msgpack.Decoder(LoRARequest)
 _SLEEP, _WAKE_UP = b"Z", b"W"  # sleep mode: a failure is fatal, as in a step
+# A streamed multi-step call: rank 0 sends each decode step's output but the last as a progress message.
+_EXECUTE_STREAMED, _PROGRESS = b"e", b"P"
 _decode_tags = msgspec.msgpack.Decoder(list[str] | None)
 
 
@@ -104,7 +107,11 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
                          config.load.options.max_parallel_loading_workers)
                 conn.send_bytes(_OK)
                 continue
-            out = runner.execute(_decode_so.decode(body))
+            if tag == _EXECUTE_STREAMED and rank == 0:
+                out = runner.execute(_decode_so.decode(body),
+                                     lambda step: conn.send_bytes(_PROGRESS + _encoder.encode(step)))
+            else:
+                out = runner.execute(_decode_so.decode(body))
             conn.send_bytes(_OK + (_encoder.encode(out) if rank == 0 else b""))
         except BaseException:
             conn.send_bytes(_ERROR + traceback.format_exc().encode())
@@ -154,9 +161,10 @@ class ProcessExecutor:
                         rendezvous.init_method)
         return _decode_info.decode(self._recv_all())
 
-    def _recv_all(self, every: bool = False):
+    def _recv_all(self, every: bool = False, on_progress: Callable[[RunnerOutput], None] | None = None):
         """One reply from every rank: rank 0's body (`every`: the list of bodies, in rank order).
-        Watches every worker's sentinel meanwhile."""
+        Rank 0's progress messages before its reply go to `on_progress`. Watches every worker's
+        sentinel meanwhile."""
         pending = set(range(len(self._conns)))
         replies: dict[int, bytes] = {}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
@@ -165,7 +173,11 @@ class ProcessExecutor:
             for rank in sorted(pending):
                 conn = self._conns[rank]
                 if conn in ready or conn.poll():
-                    replies[rank] = self._recv_one(rank)
+                    body = self._recv_one(rank)
+                    if body[:1] == _PROGRESS and on_progress is not None:
+                        on_progress(_decode_ro.decode(body[1:]))
+                        continue
+                    replies[rank] = body
                     pending.discard(rank)
             for sentinel in ready:
                 rank = sentinels.get(sentinel)
@@ -180,7 +192,7 @@ class ProcessExecutor:
             self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})", exc)
         if msg[:1] == _ERROR:
             self._fail(f"{self._who(rank)} failed:\n" + msg[1:].decode(errors="replace"))
-        return msg if msg[:1] == _ADAPTER_ERROR else msg[1:]
+        return msg if msg[:1] in (_ADAPTER_ERROR, _PROGRESS) else msg[1:]
 
     def _who(self, rank: int) -> str:
         return "model worker" if self.world_size == 1 else f"model worker (tensor-parallel rank {rank})"
@@ -209,9 +221,11 @@ class ProcessExecutor:
             except (BrokenPipeError, OSError) as exc:
                 self._fail(f"{self._who(rank)} process is gone", exc)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        self._broadcast(_EXECUTE + _encoder.encode(scheduler_output))
-        return _decode_ro.decode(self._recv_all())
+    def execute(self, scheduler_output: SchedulerOutput,
+                on_progress: Callable[[RunnerOutput], None] | None = None) -> RunnerOutput:
+        streamed = on_progress is not None and bool(scheduler_output.decode_steps)
+        self._broadcast((_EXECUTE_STREAMED if streamed else _EXECUTE) + _encoder.encode(scheduler_output))
+        return _decode_ro.decode(self._recv_all(on_progress=on_progress if streamed else None))
 
     def _adapter_call(self, body: bytes) -> bytes:
         """Every rank runs it; LoRAAdapterError if any rank refused the adapter (rank order)."""

@@ -38,14 +38,17 @@ class ThreadExecutor:
         self.runner.capture_graphs()
         return info
 
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput,
+                on_progress: Callable[[RunnerOutput], None] | None = None) -> RunnerOutput:
         """Runs one step. Failures a single request owns come back in `RunnerOutput.failed_requests`;
         anything the runner raises leaves its state unknown, so it is fatal: ExecutorDeadError, now and
         on every later call."""
         if self._dead is not None:
             raise ExecutorDeadError(f"model runner failed earlier: {self._dead!r}")
         try:
-            return self.runner.execute(scheduler_output)
+            if on_progress is None:
+                return self.runner.execute(scheduler_output)
+            return self.runner.execute(scheduler_output, on_progress)
         except Exception as exc:
             self._dead = exc
             raise ExecutorDeadError(f"model runner failed: {exc!r}") from exc

@@ -1,12 +1,19 @@
-"""Memory helpers of the runner's start-up: zero-page KV allocation and the memory-profiling step's inputs."""
+"""Memory helpers of the runner: zero-page KV allocation, the memory-profiling step's inputs, and the
+swap copies between the device and CPU caches."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 
 import torch
 
+from aserve.config import GiB
+
 from aserve.runner.input_batch import ModelInputs
+
+logger = logging.getLogger(__name__)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,3 +60,35 @@ class ModelInputsForProfile:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         inputs = ModelInputs(ids, torch.cat(positions).to(device), meta, [], [], [], [], {})
         return inputs, next_block
+
+
+def copy_blocks(pairs: list[tuple[int, int]], src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor]) -> None:
+    """Copies block `src` of every source cache into block `dst` of the matching destination cache,
+    for each (src, dst) of `pairs` (swap-out: device -> CPU; swap-in: CPU -> device)."""
+    if not pairs:
+        return
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    for s_cache, d_cache in zip(src_caches, dst_caches):
+        d_cache.index_copy_(1, dst.to(d_cache.device), s_cache.index_select(1, src.to(s_cache.device))
+                            .to(d_cache.device))
+
+
+def profile_num_blocks(run_profile_step: Callable[[], None], device: torch.device, gpu_memory_utilization: float,
+                       per_block: int) -> int:
+    """CUDA: runs the largest step once (`run_profile_step`), then gives what `gpu_memory_utilization`
+    of the card leaves after the peak to KV blocks of `per_block` bytes. RuntimeError if that is not
+    even two blocks."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run_profile_step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = total * gpu_memory_utilization - peak
+    logger.info("Memory profile: total %.2f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB",
+                total / GiB, peak / GiB, budget / GiB)
+    if budget <= per_block * 2:
+        raise RuntimeError("No memory left for the KV cache: raise --gpu-memory-utilization or lower "
+                           "--max-num-batched-tokens / --max-model-len")
+    return int(budget // per_block)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,9 +33,10 @@ from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
-from aserve.runner.kv_memory import ModelInputsForProfile, zeroed
+from aserve.runner.kv_memory import ModelInputsForProfile, copy_blocks, profile_num_blocks, zeroed
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
 from aserve.runner.kv_scales_step import KVScaleCalculation
+from aserve.runner.multi_step import run_later_decode_steps
 from aserve.runner.sleep_mode import RunnerSleep
 from aserve.runner.spec_decode import make_proposer, make_typical_acceptance
 from aserve.runner.step_sampling import StepSamples, StepSampler
@@ -135,22 +137,6 @@ class ModelRunner:
                 if self.kv_caches:  # already initialized: put the real cache back
                     self.model.bind_kv_caches(self.kv_caches)
 
-    def _profile_num_blocks(self, per_block: int) -> int:
-        """CUDA: profile the largest step, then give what `gpu_memory_utilization` leaves to KV blocks."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self.run_profile_step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = total * self.config.cache.gpu_memory_utilization - peak
-        logger.info("Memory profile: total %.2f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB",
-                    total / GiB, peak / GiB, budget / GiB)
-        if budget <= per_block * 2:
-            raise RuntimeError("No memory left for the KV cache: raise --gpu-memory-utilization or lower "
-                               "--max-num-batched-tokens / --max-model-len")
-        return int(budget // per_block)
-
     def initialize_kv_cache(self) -> RunnerInfo:
         per_block = self.kv_bytes_per_block()
         cache = self.config.cache
@@ -159,7 +145,7 @@ class ModelRunner:
         elif cache.kv_cache_memory_bytes is not None:  # --kv-cache-memory-bytes: no profiling, no fraction
             num_blocks = cache.kv_cache_memory_bytes // per_block
         elif self.device.type == "cuda":
-            num_blocks = self._profile_num_blocks(per_block)
+            num_blocks = profile_num_blocks(self.run_profile_step, self.device, cache.gpu_memory_utilization, per_block)
         else:
             num_blocks = int(cache.cpu_kvcache_space_gb * GiB // per_block)
         num_blocks = max(num_blocks, 2)  # block 0 is the reserved null block
@@ -271,7 +257,7 @@ class ModelRunner:
         for req_id in list(self.states):
             self._remove_request(req_id)
 
-    def _fail(self, messages: dict[str, str], failed: dict[str, str], prompt_logprobs: dict) -> None:
+    def fail(self, messages: dict[str, str], failed: dict[str, str], prompt_logprobs: dict) -> None:
         """Fails these requests alone: reported in `failed`, nothing else of theirs in the output."""
         for req_id, message in messages.items():
             failed[req_id] = message
@@ -297,17 +283,10 @@ class ModelRunner:
         device_caches, cpu_caches = self.kv_caches, self.cpu_kv_caches
         if self.proposer is not None and self.proposer.kv_caches:  # a draft model's cache moves with the target's
             device_caches, cpu_caches = device_caches + self.proposer.kv_caches, cpu_caches + self.proposer.cpu_kv_caches
-        for pairs, src_caches, dst_caches in ((so.blocks_to_swap_out, device_caches, cpu_caches),
-                                              (so.blocks_to_swap_in, cpu_caches, device_caches)):
-            if not pairs:
-                continue
-            src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-            dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-            for s_cache, d_cache in zip(src_caches, dst_caches):
-                d_cache.index_copy_(1, dst.to(d_cache.device), s_cache.index_select(1, src.to(s_cache.device))
-                                    .to(d_cache.device))
+        copy_blocks(so.blocks_to_swap_out, device_caches, cpu_caches)
+        copy_blocks(so.blocks_to_swap_in, cpu_caches, device_caches)
 
-    def _prepare(self, req_ids: list[str], num_tokens: list[int], spec: dict[str, list[int]]) -> ModelInputs:
+    def prepare(self, req_ids: list[str], num_tokens: list[int], spec: dict[str, list[int]]) -> ModelInputs:
         static = self.graph_runner is not None or self.force_static_decode
         pad_to = None
         if static and all(n == 1 or r in spec for r, n in zip(req_ids, num_tokens)):  # decode rows only
@@ -338,10 +317,30 @@ class ModelRunner:
         with set_forward_context(context):
             return self.model(inputs.input_ids, inputs.positions, meta)
 
+    def timed_forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, float]:
+        """The step's forward pass (with its LoRA context) and its seconds: measured only with detailed
+        traces (--collect-detailed-traces model|all; on CUDA the kernels' time, not the launches'), else 0."""
+        timed = self.config.observability.collect_model_forward_time
+        start = time.perf_counter() if timed else 0.0
+        hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
+        if timed and hidden.is_cuda:
+            torch.cuda.synchronize(hidden.device)
+        return hidden, (time.perf_counter() - start if timed else 0.0)
+
+    def sample(self, hidden: torch.Tensor, inputs: ModelInputs, spec: dict[str, list[int]], fill) -> StepSamples:
+        """Samples (or verifies `spec`'s drafts of) the step's sampling requests from their rows of
+        `hidden`; the tokens are appended to each request's state (StepSampler.sample)."""
+        idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        return self.step_sampler.sample(logits, inputs.sample_req_ids, self.states, spec, fill)
+
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        """Runs one step. Requests that fail alone (see the module docstring) are in `failed_requests`
-        and nowhere else in the output, and their state is gone; any exception raised is fatal."""
+    def execute(self, so: SchedulerOutput, on_progress: Callable[[RunnerOutput], None] | None = None
+                ) -> RunnerOutput:
+        """Runs one step (with `so.decode_steps`, a multi-step call: `runner/multi_step.py`; `on_progress`
+        then receives each decode step's output but the last, which is returned). Requests that fail
+        alone (see the module docstring) are in `failed_requests` and nowhere else in the output, and
+        their state is gone; any exception raised is fatal."""
         for req_id in so.finished_req_ids:
             self._remove_request(req_id)
         self._apply_block_ops(so)
@@ -362,14 +361,9 @@ class ModelRunner:
             return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 
         spec = so.scheduled_spec_token_ids
-        inputs = self._prepare([r for r, _ in scheduled], [n for _, n in scheduled], spec)
+        inputs = self.prepare([r for r, _ in scheduled], [n for _, n in scheduled], spec)
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
-        timed = self.config.observability.collect_model_forward_time
-        start = time.perf_counter() if timed else 0.0
-        hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
-        if timed and hidden.is_cuda:
-            torch.cuda.synchronize(hidden.device)  # detailed traces only: the kernels' time, not the launches'
-        forward_time = time.perf_counter() - start if timed else 0.0
+        hidden, forward_time = self.timed_forward(inputs)
         if self.proposer is not None:
             self.proposer.catch_up(inputs)
 
@@ -382,15 +376,15 @@ class ModelRunner:
 
         samples = StepSamples()
         if inputs.sample_req_ids:
-            idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
-            samples = self.step_sampler.sample(logits, inputs.sample_req_ids, self.states, spec, fill)
-            self._fail(samples.failed, failed, prompt_logprobs)
+            samples = self.sample(hidden, inputs, spec, fill)
+            self.fail(samples.failed, failed, prompt_logprobs)
 
         for req_id, num in zip(inputs.req_ids, inputs.num_scheduled):
             state = self.states.get(req_id)
             if state is not None:
                 state.num_computed_tokens += num - samples.num_rejected.get(req_id, 0)
+        if so.decode_steps:
+            return run_later_decode_steps(self, so.decode_steps, samples, failed, forward_time, on_progress)
         drafts = {}
         if so.propose_drafts and self.proposer is not None and samples.req_ids:
             drafts = self.proposer.propose(samples.req_ids, self.states, inputs)

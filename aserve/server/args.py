@@ -133,6 +133,10 @@ _ENGINE_HELP = {
                                  "short prompts get through while long ones prefill",
     "long_prefill_token_threshold": "a prompt longer than this is long; each prefill chunk is capped at it",
     "scheduler_cls": "a Scheduler subclass by dotted path (package.module.Class), checked at start-up",
+    "num_scheduler_steps": "multi-step decode: when every scheduled request is decoding, run up to N decode "
+                           "steps per scheduling call (fewer scheduler and IPC round trips per token)",
+    "multi_step_stream_outputs": "stream each decode step's tokens as it runs (--no-multi-step-stream-outputs: "
+                                 "all of a multi-step call's tokens at its end)",
     "task": "what the model serves: auto, generate, embed (alias embedding), classify, score (a cross-encoder) "
             "or encode (raw pooled states)",
     "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",

@@ -45,8 +45,8 @@ def test_padded_verify_rows_never_change_tokens(tiny_llama, llm_with_runner):
     padded_sizes: list[int] = []
 
     class RecordingRunner(ModelRunner):
-        def _prepare(self, req_ids, num_tokens, spec_tokens):
-            inputs = super()._prepare(req_ids, num_tokens, spec_tokens)
+        def prepare(self, req_ids, num_tokens, spec_tokens):
+            inputs = super().prepare(req_ids, num_tokens, spec_tokens)
             if spec_tokens and inputs.meta.num_decodes == inputs.meta.num_seqs:
                 padded_sizes.append(inputs.meta.num_seqs)
             return inputs
