@@ -336,7 +336,6 @@ class EngineArgs:
         require(self.load_format != "bitsandbytes" or self.device != "cuda", "quantization", cuda_refusal("bitsandbytes"))
         if normalize_method(self.quantization) in CPU_ONLY_FLAGS:  # the others: resolve_config, by checkpoint
             require(self.device != "cuda", "quantization", cuda_refusal(self.quantization))
-        require(self.cpu_offload_gb == 0, "cpu_offload_gb", "weight offloading is not implemented yet")
         self.sampling_overrides()
         check_loading_args(self)
 

@@ -39,6 +39,7 @@ from aserve.config.hf_config import (
     read_hf_config,
 )
 from aserve.config.schema import (
+    GiB,
     AserveConfig,
     CacheConfig,
     DeviceConfig,
@@ -103,6 +104,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
+    require(args.cpu_offload_gb == 0 or device == "cuda", "cpu_offload_gb",
+            f"offloads weights from a GPU to CPU memory; on {device} the weights already live in CPU memory")
     # --load-format bitsandbytes (vLLM's older spelling) means --quantization bitsandbytes, weights read as auto.
     bnb_format = args.load_format == "bitsandbytes"
     if bnb_format:
@@ -185,6 +188,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             kv_scales=resolve_kv_scales(args, hf_cfg.get("model_type"), arch.num_hidden_layers,
                                         args.tensor_parallel_size),
             calculate_kv_scales=args.calculate_kv_scales,
+            cpu_offload_bytes=int(args.cpu_offload_gb * GiB),
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max_batched,
@@ -214,7 +218,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
                 "mp" if args.tensor_parallel_size > 1 else "uni"),
             tensor_parallel_size=args.tensor_parallel_size),
         runner=RunnerConfig(
-            enforce_eager=compilation.level == 0 or device != "cuda",
+            # offloaded weights are copied anew each pass: no CUDA graph can replay them
+            enforce_eager=compilation.level == 0 or device != "cuda" or args.cpu_offload_gb > 0,
             compile_sizes=compilation.compile_sizes,
             compile_backend=compilation.backend,
             max_seq_len_to_capture=args.max_seq_len_to_capture,

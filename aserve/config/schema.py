@@ -68,6 +68,7 @@ class CacheConfig:
     # scale for K and V), and --calculate-kv-scales (computed on the first step)
     kv_scales: tuple[tuple[float, ...], ...] | None = None
     calculate_kv_scales: bool = False
+    cpu_offload_bytes: int = 0  # --cpu-offload-gb (CUDA): weights kept in host memory (model/weight_offload.py)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.lora import LoRAAdapterError, LoRARequest
 from aserve.model.forward_context import ForwardContext, set_forward_context
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
+from aserve.model.weight_offload import offload_weights
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -94,6 +95,8 @@ class ModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = load_model(self.config, self.backend, self.device, self.parallel)
+        if self.config.cache.cpu_offload_bytes:  # --cpu-offload-gb (CUDA; refused elsewhere at start-up)
+            offload_weights(self.model, self.arch.num_hidden_layers, self.config.cache.cpu_offload_bytes, self.device)
         self.kv_scale_calc.restore(self.model)  # reloaded (sleep level 2): the scales computed before
         if self.config.lora.enable_lora:
             from aserve.runner.lora_step import RunnerLoRA

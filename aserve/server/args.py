@@ -82,7 +82,8 @@ _ENGINE_HELP = {
                    "--model-loader-extra-config's tensorizer_uri)",
     "seed": "random seed of sampling",
     "swap_space": "CPU swap space per GPU in GiB (used by --preemption-mode swap)",
-    "cpu_offload_gb": "GiB of weights offloaded to CPU (only 0 is implemented)",
+    "cpu_offload_gb": "CUDA: GiB of weights (whole decoder layers) kept in pinned CPU memory and streamed to the "
+                      "GPU each forward pass (turns CUDA graphs off; refused on CPU)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
     "cpu_kvcache_space": "KV-cache size in GiB on CPU",
     "max_logprobs": "the most logprobs a request may ask for",

@@ -25,7 +25,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--collect-detailed-traces": {"seeds": "003", "status": "implemented", "test": "tests/server/test_tracing.py::test_spans_reach_an_otlp_http_receiver_with_detailed_traces"},
     "--compilation-config": {"seeds": "003", "status": "implemented", "test": "tests/config/test_compilation.py::test_resolution_per_device"},
     "--config-format": {"seeds": "002 003", "status": "implemented", "test": "tests/config/test_loading_flags.py::test_config_format_auto_and_hf_read_config_json_others_are_refused"},
-    "--cpu-offload-gb": {"seeds": "002 003", "status": "refused", "message": "weight offloading is not implemented yet"},
+    "--cpu-offload-gb": {"seeds": "002 003", "status": "implemented", "test": "tests/model/test_weight_offload.py::test_offloaded_layers_run_on_fresh_copies_and_give_the_same_tokens"},
     "--device": {"seeds": "001 002 003", "status": "implemented", "test": "tests/config/test_parallel.py::test_what_is_not_built_is_refused_by_name"},
     "--disable-async-output-proc": {"seeds": "003 004", "status": "implemented", "test": "tests/engine/test_async_engine.py::test_overlap_and_no_overlap_agree_with_offline"},
     "--disable-custom-all-reduce": {"seeds": "001 002 003", "status": "noop", "replacement": None},

@@ -40,7 +40,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(tensor_parallel_size=2, quantization="gguf"), "--quantization"),
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
     (dict(data_parallel_size=2), "--data-parallel-size"),
-    (dict(cpu_offload_gb=1), "--cpu-offload-gb"),
+    (dict(cpu_offload_gb=-1), "--cpu-offload-gb"),
     (dict(quantization="gptq", load_format="bitsandbytes"), "--load-format"),  # it implies bitsandbytes
     (dict(quantization="gguf"), "--quantization"),  # a hub id / missing path is not a .gguf source
     (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
