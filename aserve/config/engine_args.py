@@ -50,7 +50,7 @@ _POLICIES = ("fcfs", "priority")
 _DEVICES = ("auto", "cpu", "cuda")
 _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
-_TOKENIZER_MODES = ("auto", "slow")
+_TOKENIZER_MODES = ("auto", "slow", "mistral")
 _GENERATION_CONFIG = ("auto", "vllm")
 # generation_config.json key -> SamplingParams field (vLLM's --generation-config auto and
 # --override-generation-config)
@@ -72,7 +72,7 @@ _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni' or 'mp' (ray is not implemented yet)"),
     ("attention_backend", _ATTENTION_BACKENDS, "'torch' or 'triton'"),
     ("model_impl", MODEL_IMPLS, None),
-    ("tokenizer_mode", _TOKENIZER_MODES, "'auto' or 'slow' ('mistral', mistral_common's tokenizer, is not implemented)"),
+    ("tokenizer_mode", _TOKENIZER_MODES, "'auto', 'slow' or 'mistral'"),
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ def load_tokenizer(config: AserveConfig):
     kwargs = dict(revision=config.model.tokenizer_revision, trust_remote_code=config.model.trust_remote_code)
     if config.model.tokenizer_mode == "slow":
         return _slow_tokenizer(config.model.tokenizer, kwargs)
+    if config.model.tokenizer_mode == "mistral":
+        return _mistral_tokenizer(config.model.tokenizer, config.model.tokenizer_revision)
     if _generic_fast_tokenizer(config.model.tokenizer):
         from transformers import PreTrainedTokenizerFast
 
@@ -58,6 +61,26 @@ def load_tokenizer(config: AserveConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(config.model.tokenizer, **kwargs)
+
+
+def _mistral_tokenizer(name: str, revision: str | None):
+    """--tokenizer-mode mistral: mistral_common's tokenizer (tekken.json or tokenizer.model.v*) behind
+    transformers' Hugging Face interface (MistralCommonBackend). Chat prompts are then encoded by
+    mistral_common, not a jinja template (server/chat_template.py). ConfigError naming the flag when
+    mistral_common is missing or the folder has no Mistral tokenizer file."""
+    try:
+        import mistral_common  # noqa: F401
+    except ImportError:
+        raise ConfigError("--tokenizer-mode mistral: needs the mistral_common package "
+                          "(pip install 'aserve[mistral]')") from None
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    try:
+        return MistralCommonBackend.from_pretrained(name, revision=revision or "main",
+                                                    local_files_only=os.path.isdir(name))
+    except Exception as e:  # noqa: BLE001 - no tekken.json / tokenizer.model.v*, or a bad one
+        raise ConfigError(f"--tokenizer-mode mistral: cannot load a Mistral tokenizer from {name!r} "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def _slow_tokenizer(name: str, kwargs: dict):

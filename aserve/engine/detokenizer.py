@@ -21,6 +21,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from aserve.engine.tokenizer_kinds import is_mistral_tokenizer
+
 # Prompt tokens decoded as left context of the output (enough for any decoder's look-behind).
 _NUM_CONTEXT_TOKENS = 6
 _REPLACEMENT = "\ufffd"  # what decoding yields for incomplete / invalid UTF-8
@@ -53,6 +55,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.output_text = ""
         self._backend = _rust_backend(tokenizer)
+        self._mistral = is_mistral_tokenizer(tokenizer)
 
         # Left context: the prompt's last tokens, unless they end inside a character or decode to nothing.
         context = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
@@ -70,6 +73,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if self._mistral:  # mistral_common's decode has no spaces_between_special_tokens
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
 

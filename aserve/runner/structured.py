@@ -75,8 +75,13 @@ class StructuredOutputs:
         from aserve.structured_outputs.registry import StructuredOutputCompilers
 
         model = self._config.model
-        tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, revision=model.tokenizer_revision,
-                                                  trust_remote_code=model.trust_remote_code)
+        if model.tokenizer_mode == "mistral":  # mistral_common's tokenizer (checked at start-up by the engine)
+            from transformers.tokenization_mistral_common import MistralCommonBackend
+
+            tokenizer = MistralCommonBackend.from_pretrained(model.tokenizer, revision=model.tokenizer_revision or "main")
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, revision=model.tokenizer_revision,
+                                                      trust_remote_code=model.trust_remote_code)
         vocab = model.arch.vocab_size
         eos = list(model.arch.eos_token_ids) or None
         self._compilers = StructuredOutputCompilers(tokenizer, vocab, stop_token_ids=eos,

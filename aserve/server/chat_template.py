@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from aserve.config import ConfigError
 from aserve.server.errors import APIError, bad_request
+from aserve.server.mistral_chat import is_mistral_tokenizer, render_mistral
 
 BUNDLED_TEMPLATES = (
     ("<|im_start|>", "chatml.jinja"),
@@ -152,6 +153,7 @@ class ChatRenderer:
         self._env = make_environment()
         self._compiled: OrderedDict[str, jinja2.Template] = OrderedDict()
         self._special = _special_tokens(tokenizer)
+        self.mistral = is_mistral_tokenizer(tokenizer)  # --tokenizer-mode mistral: mistral_common encodes chats
 
     def _compile(self, source: str) -> jinja2.Template:
         template = self._compiled.get(source)
@@ -234,6 +236,8 @@ class ChatRenderer:
     def render_and_tokenize(
         self, conversation: list[dict[str, Any]], *, add_special_tokens: bool = False, **render_kwargs: Any
     ) -> tuple[str, list[int]]:
+        if self.mistral:
+            return render_mistral(self.tokenizer, conversation, **render_kwargs)
         text = self.render(conversation, **render_kwargs)
         return text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

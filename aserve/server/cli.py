@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_args, server_args = parse_args(argv)
     configure_logging(server_args)
     if server_args.chat_template:
+        if engine_args.tokenizer_mode == "mistral":
+            make_parser().error("--chat-template: --tokenizer-mode mistral encodes chats with mistral_common "
+                                "(no jinja template); drop one of the two")
         try:
             load_flag_template(server_args.chat_template)  # fail before loading the model
         except ConfigError as exc:

@@ -46,6 +46,10 @@ def load_tokenizer_info(tokenizer: Any, vocab_size: int,
     allows (the model's EOS ids); None lets xgrammar read them from the tokenizer.
     """
     stops = list(stop_token_ids) if stop_token_ids else None
+    if type(tokenizer).__name__ == "MistralCommonBackend":  # --tokenizer-mode mistral: no HF backend to read
+        from aserve.structured_outputs.mistral_vocab import mistral_tokenizer_info
+
+        return mistral_tokenizer_info(tokenizer, vocab_size, stops)
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
 
 

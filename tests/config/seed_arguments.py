@@ -143,7 +143,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--tensor-parallel-size": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/config/test_parallel.py::test_tp_defaults_to_one_worker_process_per_rank"},
     "--tokenizer": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/server/test_chat_template.py::test_resolution_order"},
     "--tokenizer-extension-path": {"seeds": "004", "status": "refused", "message": "a vendor"},
-    "--tokenizer-mode": {"seeds": "000 001 002 003", "status": "implemented", "test": "tests/config/test_engine_args.py::test_bad_values_are_refused_before_any_model_work"},
+    "--tokenizer-mode": {"seeds": "000 001 002 003", "status": "implemented", "test": "tests/server/test_mistral_tokenizer_mode.py::test_offline_text_and_chat_go_through_mistral_common"},
     "--tokenizer-pool-extra-config": {"seeds": "001 003", "status": "implemented", "test": "tests/server/test_tokenizer_pool.py::test_bad_pool_flags_fail_at_start_up"},
     "--tokenizer-pool-size": {"seeds": "001 003", "status": "implemented", "test": "tests/server/test_tokenizer_pool.py::test_a_live_server_with_a_pool_tokenizes_as_one_worker_does"},
     "--tokenizer-pool-type": {"seeds": "001 003", "status": "implemented", "test": "tests/server/test_tokenizer_pool.py::test_bad_pool_flags_fail_at_start_up"},

@@ -46,7 +46,6 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
     (dict(quantization="gguf", load_format="dummy"), "--quantization"),
     (dict(distributed_executor_backend="ray"), "--distributed-executor-backend"),
-    (dict(tokenizer_mode="mistral"), "--tokenizer-mode"),
 ])
 def test_bad_values_are_refused_before_any_model_work(kwargs, flag):
     """The model folder does not exist: the error is about the flag, so no model file was needed."""
