@@ -19,7 +19,7 @@ def mistral_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequ
     """`tokenizer`: transformers' MistralCommonBackend. `vocab_size`: the logits width."""
     inner = tokenizer.tokenizer.instruct_tokenizer.tokenizer
     n = inner.n_words
-    special = set(int(i) for i in inner.special_ids) if hasattr(inner, "special_ids") else set()
+    special = {int(i) for i in inner.special_ids} if hasattr(inner, "special_ids") else set()
     stops = list(stop_token_ids) if stop_token_ids else [inner.eos_id]
     if hasattr(inner, "id_to_byte_piece"):  # Tekken: byte-level tokens
         vocab = [b"" if i in special else inner.id_to_byte_piece(i) for i in range(n)]

@@ -84,7 +84,7 @@ def client(folder):
 
 def test_server_chat_streams_the_same_text_over_multi_step_calls(client):
     c, folder = client
-    kwargs = dict(model=folder, messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = {"model": folder, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
     whole = c.chat.completions.create(**kwargs)
     assert whole.usage.prompt_tokens == len(_mistral_chat_ids(folder, MESSAGES))
     assert whole.usage.completion_tokens == 12
