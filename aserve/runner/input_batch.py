@@ -172,3 +172,22 @@ def _expand_verify_rows(verify: list[bool], starts: np.ndarray, counts: np.ndarr
     np.cumsum(row_counts, out=loc[1:])
     num_decodes = int(np.argmax(row_counts != 1)) if (row_counts != 1).any() else num_rows
     return num_rows, num_decodes, row_counts, lens, block_table[row_req], loc
+
+
+def advance_decode_inputs(inputs: ModelInputs, next_token_ids: list[int], block_size: int) -> ModelInputs:
+    """`inputs`, a decode-only step, turned in place into the next decode step of the same requests
+    (multi-step decode): each real row's input is its token `next_token_ids[i]` (batch order), one
+    position further, its context one longer, its slot the next one in its block table (which must
+    already hold the block: the scheduler reserved it). Padded rows are left as they are. Equals
+    what `build_model_inputs` would build, without rebuilding it on the host."""
+    meta = inputs.meta
+    n = len(next_token_ids)
+    inputs.input_ids[:n].copy_(torch.tensor(next_token_ids, dtype=torch.int64), non_blocking=True)
+    inputs.positions[:n] += 1
+    meta.seq_lens[:n] += 1
+    positions = inputs.positions[:n]
+    blocks = meta.block_tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    meta.slot_mapping[:n] = blocks.to(torch.int64) * block_size + positions % block_size
+    meta.seq_lens_cpu = [length + 1 for length in meta.seq_lens_cpu[:n]] + meta.seq_lens_cpu[n:]
+    meta.max_seq_len = max(meta.seq_lens_cpu)
+    return inputs

@@ -387,7 +387,7 @@ class ModelRunner:
             if state is not None:
                 state.num_computed_tokens += num - samples.num_rejected.get(req_id, 0)
         if so.decode_steps:
-            return run_later_decode_steps(self, so.decode_steps, samples, failed, forward_time, on_progress)
+            return run_later_decode_steps(self, so.decode_steps, inputs, samples, failed, forward_time, on_progress)
         drafts = {}
         if so.propose_drafts and self.proposer is not None and samples.req_ids:
             drafts = self.proposer.propose(samples.req_ids, self.states, inputs)

@@ -5,7 +5,10 @@ The call's first step runs as any step. Each later step k feeds every request th
 (`decode_steps[req_id] > k`) its token sampled at step k - 1: one decode row per request, at the next
 position, in KV slots the scheduler reserved, through the same forward paths (CUDA graphs, the CPU
 compiled decode, LoRA), grammars and sampling state (penalties and seeds see every token, as in
-single steps). The runner does not apply stop rules; the scheduler drops what follows a stop.
+single steps). While the step's requests are the previous step's, its inputs are the previous
+step's advanced in place on the device (`advance_decode_inputs`: tokens, positions, context
+lengths, slots); when some request has run its count, the smaller batch is packed anew. The runner
+does not apply stop rules; the scheduler drops what follows a stop.
 
 Outputs: without `on_progress` one `RunnerOutput` holds each request's tokens of every step in
 order (`decode_step` 0). With it, each step's output but the last goes to `on_progress` as soon as
@@ -20,17 +23,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aserve.core.batch import RunnerOutput, TokenLogprobs
+from aserve.runner.input_batch import ModelInputs, advance_decode_inputs
 from aserve.runner.step_sampling import StepSamples
 
 if TYPE_CHECKING:
     from aserve.runner.model_runner import ModelRunner
 
 
-def run_later_decode_steps(runner: ModelRunner, decode_steps: dict[str, int], first: StepSamples,
-                           failed: dict[str, str], forward_time: float,
+def run_later_decode_steps(runner: ModelRunner, decode_steps: dict[str, int], inputs: ModelInputs,
+                           first: StepSamples, failed: dict[str, str], forward_time: float,
                            on_progress: Callable[[RunnerOutput], None] | None) -> RunnerOutput:
-    """Runs steps 1.. of a multi-step call after its first step (`first`, already sampled and counted as
-    computed; `failed`: that step's failures). Returns the call's output as the module docstring says."""
+    """Runs steps 1.. of a multi-step call after its first step (`inputs`, sampled into `first` and
+    counted as computed; `failed`: that step's failures). Returns the call's output as the module
+    docstring says."""
     order = list(first.req_ids)
     tokens: dict[str, list[int]] = dict(zip(first.req_ids, first.token_ids))
     logprobs: dict[str, list[TokenLogprobs]] = dict(zip(first.req_ids, first.logprobs))
@@ -43,7 +48,11 @@ def run_later_decode_steps(runner: ModelRunner, decode_steps: dict[str, int], fi
         if on_progress is not None:
             on_progress(step_output)
         step_failed: dict[str, str] = {}
-        samples, seconds = _decode_step(runner, active, step_failed)
+        if active == inputs.req_ids and active == step_output.req_ids:  # the same batch: advance in place
+            inputs = advance_decode_inputs(inputs, [t[-1] for t in step_output.sampled_token_ids], runner.block_size)
+        else:
+            inputs = runner.prepare(active, [1] * len(active), {})
+        samples, seconds = _decode_step(runner, inputs, step_failed)
         step_output = _output(samples, step_failed, seconds, k)
         forward_time += seconds
         for req_id in step_failed:
@@ -59,10 +68,9 @@ def run_later_decode_steps(runner: ModelRunner, decode_steps: dict[str, int], fi
                         logprobs=[logprobs[r] for r in kept], failed_requests=failed, forward_time=forward_time)
 
 
-def _decode_step(runner: ModelRunner, req_ids: list[str], failed: dict[str, str]) -> tuple[StepSamples, float]:
-    """One decode row per request of `req_ids` (each has every token but its last computed): forward,
+def _decode_step(runner: ModelRunner, inputs: ModelInputs, failed: dict[str, str]) -> tuple[StepSamples, float]:
+    """One decode row per request of `inputs` (each has every token but its last computed): forward,
     sample, count the row computed. Failures go to `failed` (their state is dropped)."""
-    inputs = runner.prepare(req_ids, [1] * len(req_ids), {})
     fill = runner.structured.start_fill(inputs.sample_req_ids)
     hidden, seconds = runner.timed_forward(inputs)
     samples = runner.sample(hidden, inputs, {}, fill)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aserve.runner.input_batch import CachedRequestState, build_model_inputs
+from aserve.runner.input_batch import CachedRequestState, advance_decode_inputs, build_model_inputs
 from aserve.runner.sampling import SamplingStates
 from aserve.sampling_params import SamplingParams
 
@@ -51,3 +51,25 @@ def test_padding_to_static_size():
     assert inputs.meta.num_seqs == 4 and inputs.input_ids.shape[0] == 4
     assert inputs.meta.slot_mapping.tolist()[-1] == -1  # the padded row writes nowhere
     assert inputs.sample_req_ids == ["r0", "r1", "r2"]  # and is never sampled
+
+
+def test_advancing_decode_inputs_in_place_equals_rebuilding_them():
+    """Multi-step decode's in-place advance (block boundaries crossed, padded rows kept) equals a fresh pack."""
+    bs = 4
+    states = {"a": _state("a", [1, 2, 3], [4], [5, 8], 3), "b": _state("b", [9, 8, 7, 6, 5, 4, 3], [2], [1, 2, 6], 7),
+              "c": _state("c", [1], [2], [3, 4], 1)}
+    ids = list(states)
+    inputs = build_model_inputs(states, ids, [1, 1, 1], bs, torch.device("cpu"), pad_to_num_seqs=4)
+    for step, next_tokens in enumerate(([11, 12, 13], [21, 22, 23], [31, 32, 33])):
+        for req_id, token in zip(ids, next_tokens):
+            states[req_id].token_ids.append(token)
+            states[req_id].num_computed_tokens += 1
+        inputs = advance_decode_inputs(inputs, next_tokens, bs)
+        fresh = build_model_inputs(states, ids, [1, 1, 1], bs, torch.device("cpu"), pad_to_num_seqs=4)
+        for name in ("input_ids", "positions"):
+            assert torch.equal(getattr(inputs, name), getattr(fresh, name)), (step, name)
+        for name in ("slot_mapping", "seq_lens", "block_tables", "query_start_loc"):
+            assert torch.equal(getattr(inputs.meta, name), getattr(fresh.meta, name)), (step, name)
+        assert inputs.meta.seq_lens_cpu == fresh.meta.seq_lens_cpu
+        assert inputs.meta.max_seq_len == fresh.meta.max_seq_len
+        assert inputs.logits_indices == fresh.logits_indices and inputs.sample_req_ids == fresh.sample_req_ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from aserve import LLM, SamplingParams
+from aserve.runner import multi_step
 
 
 def _requests():
@@ -46,9 +47,13 @@ def _generate(model: str, num_steps: int, **kwargs):
 
 
 @pytest.mark.parametrize("kv", [{}, {"num_gpu_blocks_override": 10, "block_size": 8}])
-def test_multi_step_tokens_equal_single_step_tokens(tiny_llama, kv):
+def test_multi_step_tokens_equal_single_step_tokens(tiny_llama, kv, monkeypatch):
     want, single_calls, _ = _generate(tiny_llama, 1, **kv)
+    advanced = []
+    advance = multi_step.advance_decode_inputs
+    monkeypatch.setattr(multi_step, "advance_decode_inputs", lambda *a: advanced.append(1) or advance(*a))
     got, calls, core = _generate(tiny_llama, 4, **kv)
+    assert advanced  # later steps of an unchanged batch advanced their inputs in place
     for i, (g, w) in enumerate(zip(got, want)):
         if kv and i % 3:
             continue  # a preempted seeded request redraws its recomputed tokens (single-step too): greedy only
