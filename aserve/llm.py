@@ -45,6 +45,10 @@ class LLM:
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         if not (isinstance(stats_log_interval, (int, float)) and stats_log_interval > 0):
             raise ConfigError(f"stats_log_interval: must be > 0 seconds, got {stats_log_interval!r}")
+        if args.data_parallel_size > 1:
+            raise ConfigError("--data-parallel-size: the offline LLM runs one replica; as in vLLM, run one LLM "
+                              "per replica (a process each) with its share of the prompts, or serve with "
+                              "`aserve --data-parallel-size N`, which routes requests across replicas")
         if (args.structured_outputs_config or {}).get("reasoning_parser") is not None:
             raise ConfigError("--structured-outputs-config: reasoning_parser is a server option (it sets "
                               "--reasoning-parser of `aserve serve`); the offline LLM returns the raw text "

@@ -132,7 +132,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1  # accepted for vLLM's flag; only 1 is implemented (refused otherwise)
+    data_parallel_size: int = 1  # engine replicas behind one server (aserve/engine/data_parallel.py)
+    data_parallel_rank: int = 0  # which replica this engine is (set per replica by the data-parallel engine)
     disable_async_output_proc: bool = False
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up (aserve/runner/sleep_mode.py)
     attention_backend: str | None = None
@@ -276,9 +277,13 @@ class EngineArgs:
         require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
                 "pipeline parallelism is not implemented yet (only 1); use --tensor-parallel-size to split a "
                 "model across devices of one machine")
-        require(self.data_parallel_size == 1, "data_parallel_size",
-                "data-parallel replicas are not implemented yet (only 1); run one server per replica behind a "
-                "load balancer")
+        require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
+                f"must be in [0, --data-parallel-size={self.data_parallel_size}), got {self.data_parallel_rank}")
+        if self.data_parallel_size > 1:
+            require(not self.enable_lora, "data_parallel_size",
+                    "LoRA adapters are not supported with data-parallel replicas yet (use 1 with --enable-lora)")
+            require(not self.enable_sleep_mode, "data_parallel_size",
+                    "sleep mode is not supported with data-parallel replicas yet (use 1 with --enable-sleep-mode)")
         if self.tensor_parallel_size > 1:
             require(self.distributed_executor_backend in (None, "mp"), "distributed_executor_backend",
                     f"--tensor-parallel-size {self.tensor_parallel_size} runs one worker process per rank: "

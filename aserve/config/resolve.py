@@ -216,7 +216,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         parallel=ParallelConfig(
             distributed_executor_backend=args.distributed_executor_backend or (
                 "mp" if args.tensor_parallel_size > 1 else "uni"),
-            tensor_parallel_size=args.tensor_parallel_size),
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank),
         runner=RunnerConfig(
             # offloaded weights are copied anew each pass: no CUDA graph can replay them
             enforce_eager=compilation.level == 0 or device != "cuda" or args.cpu_offload_gb > 0,

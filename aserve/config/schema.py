@@ -110,11 +110,16 @@ class DeviceConfig:
 class ParallelConfig:
     """Where the runner lives: `uni` (a thread of this process) or `mp` (worker processes). With
     `tensor_parallel_size` N > 1, `mp` runs one worker per rank (the default then; `uni` is refused).
-    Pipeline parallelism is refused at validation, so `pipeline_parallel_size` is always 1 today."""
+    Pipeline parallelism is refused at validation, so `pipeline_parallel_size` is always 1 today.
+    With `data_parallel_size` N > 1 this engine is replica `data_parallel_rank` of N (engine/data_parallel.py):
+    on CUDA its ranks use devices rank * tp .. rank * tp + tp - 1; on CPU every rank of every replica
+    shares the cores."""
 
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
 
 @dataclass(frozen=True)

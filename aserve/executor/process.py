@@ -65,11 +65,13 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
     config: AserveConfig = pickle.loads(config_bytes)
     world_size = rendezvous.world_size if rendezvous is not None else 1
     tag = f"worker {rank}" if world_size > 1 else "worker"
+    if config.parallel.data_parallel_size > 1:
+        tag = f"replica {config.parallel.data_parallel_rank} {tag}"
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [{tag}] %(name)s: %(message)s")
     try:
-        if config.device.device == "cpu":
-            _limit_threads(world_size)
+        if config.device.device == "cpu":  # every rank of every replica shares the cores
+            _limit_threads(world_size * config.parallel.data_parallel_size)
         from aserve.distributed.collectives import in_waves
         from aserve.distributed.context import SINGLE, init_distributed, shutdown_distributed
         from aserve.runner.factory import make_runner

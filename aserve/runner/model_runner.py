@@ -67,8 +67,8 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel
         self.device = torch.device(config.device.device)
-        if self.device.type == "cuda" and parallel.is_parallel:
-            self.device = torch.device("cuda", parallel.tp_rank)
+        if self.device.type == "cuda" and (parallel.is_parallel or config.parallel.data_parallel_rank):
+            self.device = torch.device("cuda", config.parallel.data_parallel_rank * parallel.tp_size + parallel.tp_rank)
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
         self.arch = rank_arch_config(config.model.arch, parallel.tp_size)  # this rank's heads and widths

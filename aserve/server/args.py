@@ -60,7 +60,10 @@ _ENGINE_HELP = {
     "tensor_parallel_size": "tensor-parallel degree: split each layer across this many worker processes "
                             "(one per rank, mp backend; gloo on CPU, NCCL on CUDA)",
     "pipeline_parallel_size": "pipeline-parallel degree (only 1 is implemented)",
-    "data_parallel_size": "data-parallel replicas (only 1 is implemented)",
+    "data_parallel_size": "engine replicas behind one server, each with its own workers and KV cache; requests "
+                          "go to the least loaded one, or to the one holding their prompt's prefix",
+    "data_parallel_rank": "which replica this engine is (aserve sets it for each replica; on CUDA replica r uses "
+                          "devices r*tp .. r*tp+tp-1)",
     "guided_decoding_backend": "grammar engine for structured outputs: auto, xgrammar or guidance "
     "(a request's guided_decoding_backend overrides it), with vLLM's options after a colon for every request: "
     "disable-any-whitespace, disable-additional-properties, no-fallback (e.g. xgrammar:disable-any-whitespace)",

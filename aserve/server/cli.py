@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         # Imported here: importing the server loads no engine internals until an engine is built.
         async_engine = importlib.import_module("aserve.engine.async_engine")
         try:
+            if engine_args.data_parallel_size > 1:  # replicas behind one server
+                data_parallel = importlib.import_module("aserve.engine.data_parallel")
+                return data_parallel.DataParallelEngine.from_engine_args(engine_args)
             return async_engine.AsyncEngine.from_engine_args(engine_args)
         except ValueError as exc:  # ConfigError, ModelSourceError: the message names the argument
             raise StartupError(str(exc)) from exc

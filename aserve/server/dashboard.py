@@ -171,12 +171,16 @@ _TOTALS = {
 
 
 def prometheus_totals(metrics: PrometheusStatLogger) -> dict[str, int]:
-    """The counters `/metrics` exports now for `metrics.model_name`, as ints (0 when absent)."""
-    labels = {"model_name": metrics.model_name}
-    out = {}
-    for key, name in _TOTALS.items():
-        value = metrics.registry.get_sample_value(f"{metrics.prefix}:{name}", labels)
-        out[key] = int(value or 0)
+    """The counters `/metrics` exports now for `metrics.model_name`, summed over the `engine` label
+    (data-parallel replicas), as ints (0 when absent)."""
+    keys = {f"{metrics.prefix}:{name}": key for key, name in _TOTALS.items()}
+    out = dict.fromkeys(_TOTALS, 0)
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            key = keys.get(sample.name)
+            if (key is not None and sample.labels.get("model_name") == metrics.model_name
+                    and sample.labels.keys() <= {"model_name", "engine"}):
+                out[key] += int(sample.value)
     return out
 
 

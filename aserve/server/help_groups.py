@@ -49,7 +49,7 @@ _G = {
         max_long_partial_prefills long_prefill_token_threshold num_scheduler_steps multi_step_stream_outputs
         num_lookahead_slots scheduler_cls""",
     "parallel": """distributed_executor_backend tensor_parallel_size pipeline_parallel_size data_parallel_size
-        disable_custom_all_reduce worker_use_ray ray_workers_use_nsight engine_use_ray enable_expert_parallel
+        data_parallel_rank disable_custom_all_reduce worker_use_ray ray_workers_use_nsight engine_use_ray enable_expert_parallel
         worker_cls worker_extension_cls max_parallel_loading_workers""",
     "device": "device attention_backend override_neuron_config additional_config",
     "compilation": "compilation_config enforce_eager max_seq_len_to_capture max_context_len_to_capture",

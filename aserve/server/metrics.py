@@ -2,7 +2,8 @@
 
 Each app owns its `CollectorRegistry` (no global prometheus state), so several apps can live in
 one process (tests). Every name carries the prefix given (`--metrics-prefix`: `vllm`, the default, so
-vLLM dashboards and alerts work unchanged, or `aserve`) and a `model_name` label. Besides vLLM's names,
+vLLM dashboards and alerts work unchanged, or `aserve`), a `model_name` label and, on the engine's
+series, vLLM's `engine` label (the data-parallel replica; "0" with one). Besides vLLM's names,
 seed 004's vendor names: `request_total` (requests received), `request_process_success_total`
 (processed successfully), `request_process_fail_total` (failed), `inference_compute_infer_duration`
 (a histogram of each request's inference seconds, first scheduled to finished), `lora_count` and
@@ -11,6 +12,7 @@ seed 004's vendor names: `request_total` (requests received), `request_process_s
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -75,7 +77,8 @@ class PrometheusStatLogger:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         self.prefix = prefix
-        labels = ["model_name"]
+        self.engine = "0"  # the `engine` label: which data-parallel replica (see for_engine)
+        labels = ["model_name", "engine"]
         reg = self.registry
         tok_buckets = token_buckets(max(max_model_len, 1))
 
@@ -174,15 +177,26 @@ class PrometheusStatLogger:
             registry=reg, multiprocess_mode="mostrecent",
         )
 
-        # Expose every series from the start (at zero), so a scrape before the first request sees them.
-        for metric in vars(self).values():
-            if isinstance(metric, (Counter, Gauge, Histogram)) and metric._labelnames == ("model_name",):
-                metric.labels(model_name=model_name)
-        for reason in ("stop", "length"):
-            self.request_success.labels(model_name=model_name, finished_reason=reason)
+        self._expose()
         self.lora = LoRAMetrics(model_name, max_loras, reg, prefix) if max_loras is not None else None
         self.spec_decode = (SpecDecodeMetrics(model_name, num_speculative_tokens, reg, prefix)
                             if num_speculative_tokens is not None else None)
+
+    def _expose(self) -> None:
+        """Every series of this view at zero, so a scrape before the first request sees them."""
+        for metric in vars(self).values():
+            if isinstance(metric, (Counter, Gauge, Histogram)) and metric._labelnames == ("model_name", "engine"):
+                self._label(metric)
+        for reason in ("stop", "length"):
+            self._label(self.request_success, finished_reason=reason)
+
+    def for_engine(self, index: int) -> PrometheusStatLogger:
+        """The view data-parallel replica `index` records through: the same series (and registry) under
+        `engine="index"`, as vLLM labels them; LoRA and speculative-decoding series sum over replicas."""
+        view = copy.copy(self)
+        view.engine = str(index)
+        view._expose()
+        return view
 
     def record_cache_config(self, cache: CacheConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Sets `cache_config_info` (vLLM's info gauge: value 1, the configuration in its labels)."""
@@ -204,7 +218,7 @@ class PrometheusStatLogger:
         self._label(self.request_received).inc()
 
     def _label(self, metric: Any, **extra: str) -> Any:
-        return metric.labels(model_name=self.model_name, **extra)
+        return metric.labels(model_name=self.model_name, engine=self.engine, **extra)
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         label = self._label

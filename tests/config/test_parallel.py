@@ -39,7 +39,9 @@ def test_vocab_sizes_need_not_split(write_model_dir):
 
 @pytest.mark.parametrize("kwargs, flag, message", [
     (dict(pipeline_parallel_size=2), "--pipeline-parallel-size", "pipeline parallelism is not implemented"),
-    (dict(data_parallel_size=2), "--data-parallel-size", "data-parallel replicas are not implemented"),
+    (dict(data_parallel_size=2, enable_lora=True), "--data-parallel-size", "LoRA adapters are not supported"),
+    (dict(data_parallel_size=2, enable_sleep_mode=True), "--data-parallel-size", "sleep mode is not supported"),
+    (dict(data_parallel_size=2, data_parallel_rank=2), "--data-parallel-rank", "must be in \\[0, "),
     (dict(distributed_executor_backend="ray"), "--distributed-executor-backend", "ray is not implemented"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend",
      "needs 'mp'"),

@@ -54,7 +54,7 @@ def live(tmp_path_factory):
 def _scrape(http: httpx.Client) -> dict[str, float]:
     text = http.get("/metrics").text
     return {s.name.removeprefix("vllm:"): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name.startswith("vllm:") and not s.labels.keys() - {"model_name"}}
+            for s in f.samples if s.name.startswith("vllm:") and not s.labels.keys() - {"model_name", "engine"}}
 
 
 def _complete(url: str, i: int, max_tokens: int = 60) -> None:

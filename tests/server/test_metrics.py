@@ -6,13 +6,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from aserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from aserve.server.metrics import LoggingStatLogger, PrometheusStatLogger, token_buckets
+from tests.support.metrics_labels import without_engine_zero
 
 
 def _samples(logger: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
     out = {}
     for family in text_string_to_metric_families(logger.render().decode()):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            out[(s.name, tuple(sorted(without_engine_zero(s.labels).items())))] = s.value
     return out
 
 
@@ -139,3 +140,16 @@ def test_logging_stat_logger_line():
     now[0] += 5.0
     line = logger.format_line()  # still running requests: a line, with zero throughput and no new lookups
     assert "Avg generation throughput: 0.0 tokens/s" in line and "Prefix cache hit rate: 0.0%" in line
+
+
+def test_each_replica_records_under_its_engine_label():
+    p = PrometheusStatLogger("m", 1024)
+    replica = p.for_engine(1)
+    assert _samples(p)[("vllm:generation_tokens_total", (("engine", "1"), ("model_name", "m")))] == 0  # exposed
+    replica.record(SchedulerStats(num_running_reqs=4), IterationStats(num_generation_tokens=7))
+    p.record(SchedulerStats(num_running_reqs=1), IterationStats(num_generation_tokens=2))
+    s = _samples(p)
+    assert s[("vllm:generation_tokens_total", (("engine", "1"), ("model_name", "m")))] == 7
+    assert s[("vllm:generation_tokens_total", (("model_name", "m"),))] == 2  # engine "0"
+    assert s[("vllm:num_requests_running", (("engine", "1"), ("model_name", "m")))] == 4
+    assert s[("vllm:num_requests_running", (("model_name", "m"),))] == 1

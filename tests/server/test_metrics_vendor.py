@@ -18,12 +18,13 @@ from aserve.server.args import parse_args
 from aserve.server.metrics import PrometheusStatLogger
 from tests.server.real_tiny_server import build_tiny_chat_model, serving
 from tests.server.server_harness import quiet_args
+from tests.support.metrics_labels import without_engine_zero
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+    return {(s.name, tuple(sorted(without_engine_zero(s.labels).items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 

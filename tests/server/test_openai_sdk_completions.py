@@ -123,7 +123,7 @@ def _metrics(http: httpx.Client) -> dict[str, float]:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("model_name", "engine"))
             key = sample.name + (f"{{{labels}}}" if labels else "")
             values[key] = values.get(key, 0.0) + sample.value
             assert sample.labels.get("model_name", "fake-model") == "fake-model"
