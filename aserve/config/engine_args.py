@@ -48,7 +48,7 @@ _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
 _DEVICES = ("auto", "cpu", "cuda")
-_EXECUTOR_BACKENDS = (None, "uni", "mp")
+_EXECUTOR_BACKENDS = (None, "uni", "mp", "ray")
 _ATTENTION_BACKENDS = (None, "torch", "triton")
 _TOKENIZER_MODES = ("auto", "slow", "mistral")
 _GENERATION_CONFIG = ("auto", "vllm")
@@ -69,7 +69,7 @@ _CHOICE_FIELDS: tuple[tuple[str, tuple[Any, ...], str | None], ...] = (
     ("preemption_mode", _PREEMPTION_MODES, "'recompute' or 'swap'"),
     ("scheduling_policy", _POLICIES, None),
     ("device", _DEVICES, None),
-    ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni' or 'mp' (ray is not implemented yet)"),
+    ("distributed_executor_backend", _EXECUTOR_BACKENDS, "'uni', 'mp' or 'ray'"),
     ("attention_backend", _ATTENTION_BACKENDS, "'torch' or 'triton'"),
     ("model_impl", MODEL_IMPLS, None),
     ("tokenizer_mode", _TOKENIZER_MODES, "'auto', 'slow' or 'mistral'"),
@@ -222,13 +222,14 @@ class EngineArgs:
         validate_kv_scale_args(self)
 
     def create_config(self, model_path: str | None = None, tokenizer_path: str | None = None,
-                      cuda_available: bool = False, draft_model_path: str | None = None) -> AserveConfig:
+                      cuda_available: bool = False, draft_model_path: str | None = None,
+                      num_local_gpus: int | None = None) -> AserveConfig:
         """`validate()`, then resolve against the model. `model_path` is the local HF folder the model
         source resolved `model` to (default: `model` itself); `tokenizer_path` likewise for the
         tokenizer; `draft_model_path` likewise for speculative_config's draft `model`
         (`aserve.config.speculative.draft_model_name`). Raises ConfigError naming the flag or the key."""
         self.validate()
-        return resolve_config(self, model_path, tokenizer_path, cuda_available, draft_model_path)
+        return resolve_config(self, model_path, tokenizer_path, cuda_available, draft_model_path, num_local_gpus)
 
     # -- the checks ---------------------------------------------------------------------------------
     def _validate_types(self) -> None:
@@ -285,9 +286,9 @@ class EngineArgs:
             require(not self.enable_sleep_mode, "data_parallel_size",
                     "sleep mode is not supported with data-parallel replicas yet (use 1 with --enable-sleep-mode)")
         if self.tensor_parallel_size > 1:
-            require(self.distributed_executor_backend in (None, "mp"), "distributed_executor_backend",
-                    f"--tensor-parallel-size {self.tensor_parallel_size} runs one worker process per rank: "
-                    "it needs 'mp' (the default), not 'uni'")
+            require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
+                    f"--tensor-parallel-size {self.tensor_parallel_size} runs one worker per rank: it needs "
+                    "'mp' (processes of this machine) or 'ray' (actors on a Ray cluster), not 'uni'")
             require(self.quantization != "gguf", "quantization",
                     "'gguf' serves the file's 4-bit blocks whole; it cannot be split across tensor-parallel "
                     "ranks (use --tensor-parallel-size 1, or int8/int4, which quantize each rank's slice)")

@@ -11,6 +11,7 @@ is not divided: the embedding and LM head are split by the loader, padding the l
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from aserve.config.errors import require
 from aserve.config.families import MoeFields
@@ -57,3 +58,15 @@ def rank_arch_config(arch: ArchConfig, tp_size: int) -> ArchConfig:
         arch, num_attention_heads=arch.num_attention_heads // tp_size,
         num_key_value_heads=max(1, arch.num_key_value_heads // tp_size),
         intermediate_size=arch.intermediate_size // tp_size, family=fields)
+
+
+def default_executor_backend(given: str | None, world_size: int, device: str, num_local_gpus: int | None) -> str:
+    """`--distributed-executor-backend` as given, else vLLM's default: `ray` when the ranks outnumber this
+    machine's GPUs (`num_local_gpus`, when known) and Ray is installed, `mp` with several ranks, `uni`
+    with one (the async engine asks for `mp` with one rank itself)."""
+    if given is not None:
+        return given
+    if (device == "cuda" and num_local_gpus is not None and world_size > num_local_gpus
+            and importlib.util.find_spec("ray") is not None):
+        return "ray"
+    return "mp" if world_size > 1 else "uni"

@@ -22,6 +22,7 @@ from aserve.config.quantization import (CUDA_METHODS, checkpoint_quantization_co
                                         resolve_quantization)
 from aserve.config.kv_scales import resolve_kv_scales
 from aserve.config.loading import resolve_loader_options
+from aserve.config.parallel import default_executor_backend
 from aserve.config.speculative import resolve_num_lookahead_slots, resolve_speculative_config
 from aserve.config.model_impl import (
     check_transformers_args,
@@ -65,7 +66,8 @@ VLLM_DEFAULT_SCHEDULERS = (None, "vllm.core.scheduler.Scheduler", "vllm.v1.core.
 
 
 def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str | None,
-                   cuda_available: bool, draft_model_path: str | None = None) -> AserveConfig:
+                   cuda_available: bool, draft_model_path: str | None = None,
+                   num_local_gpus: int | None = None) -> AserveConfig:
     """The frozen config for already-validated `args`; `model_path` (default `args.model`) is the
     local folder holding config.json; `draft_model_path` the speculative draft's (default: its `model`).
     Raises ConfigError naming the flag or the config.json key."""
@@ -214,8 +216,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
                                                        args.max_parallel_loading_workers)),
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(
-            distributed_executor_backend=args.distributed_executor_backend or (
-                "mp" if args.tensor_parallel_size > 1 else "uni"),
+            distributed_executor_backend=default_executor_backend(args.distributed_executor_backend,
+                                                                  args.tensor_parallel_size, device, num_local_gpus),
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank),
         runner=RunnerConfig(

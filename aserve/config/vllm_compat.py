@@ -22,7 +22,6 @@ logger = logging.getLogger("aserve.config")
 
 _TEXT_ONLY = "aserve serves text-only models (multimodal inputs are not implemented)"
 _PROMPT_ADAPTER = "prompt adapters were removed from vLLM (0.8) and are not implemented by aserve"
-_RAY = "Ray is not implemented (aserve's executors are 'uni' and 'mp')"
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,9 @@ COMPAT_ARGS: dict[str, CompatArg] = {
     "worker_extension_cls": _refused("str", "", "worker extension classes are not supported"),
     "override_neuron_config": _refused("json", None, "AWS Neuron devices are not supported (devices: cpu, cuda)"),
     "additional_config": _refused("json", None, "platform plugins' additional config is not supported"),
-    "ray_workers_use_nsight": _refused("bool", False, _RAY),
-    "engine_use_ray": _refused("bool", False, f"removed from vLLM; {_RAY}"),
+    "ray_workers_use_nsight": _refused("bool", False, "Nsight profiling of the Ray workers is not supported"),
+    "engine_use_ray": _refused("bool", False, "removed from vLLM: the engine runs in the server's process; "
+                               "--distributed-executor-backend ray puts the model workers on Ray"),
     "enable_expert_parallel": _refused("bool", False, "expert parallelism is not implemented (MoE experts are split by --tensor-parallel-size instead)"),
     "tokenizer_extension_path": _refused("str", None, "a vendor (AIAK) extension: custom vllm_extension.py "
                                          "tokenizers are not supported"),

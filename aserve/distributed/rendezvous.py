@@ -15,13 +15,15 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("ASERVE_DIST_TIMEOUT_S", "120"))
 @dataclass(frozen=True)
 class Rendezvous:
     """`torch.distributed` init for `world_size` ranks: TCP store at `host:port`, `backend` ("gloo" on
-    CPU, "nccl" on CUDA), `timeout_s` for the store and every collective."""
+    CPU, "nccl" on CUDA), `timeout_s` for the store and every collective; `same_host`: every rank
+    runs on this one machine (shared-memory collectives are possible)."""
 
     host: str
     port: int
     world_size: int
     backend: str
     timeout_s: float = DEFAULT_TIMEOUT_S
+    same_host: bool = True
 
     @property
     def init_method(self) -> str:

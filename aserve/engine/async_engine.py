@@ -135,7 +135,7 @@ class AsyncEngine:
         worker process (`mp`): on a thread, the event loop's own work (HTTP, detokenizing, SSE)
         competes with the forward pass for the GIL and the cores, which doubled the per-token
         latency at c=1 on 2 CPU cores (44 vs 23 ms, README). The offline `LLM` keeps `uni`."""
-        if args.distributed_executor_backend is None:
+        if args.distributed_executor_backend is None and args.tensor_parallel_size == 1:  # more: mp or ray
             args = dataclasses.replace(args, distributed_executor_backend=ASYNC_DEFAULT_EXECUTOR_BACKEND)
         return cls(LLMEngine.from_engine_args(args, stat_loggers, executor_factory))
 

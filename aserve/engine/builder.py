@@ -19,7 +19,7 @@ from pathlib import Path
 from aserve.config import AserveConfig, ConfigError, EngineArgs
 from aserve.config.engine_args import SAMPLING_DEFAULT_KEYS
 from aserve.engine.engine_core import EngineCore, load_scheduler_class
-from aserve.executor.base import Executor, cuda_available, make_executor
+from aserve.executor.base import Executor, cuda_available, local_gpu_count, make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +172,9 @@ def build_engine(args: EngineArgs, executor_factory: ExecutorFactory = make_exec
         tokenizer_path = resolve_model(tokenizer_path, args.tokenizer_revision, args.download_dir, "auto")
     draft = draft_model_name(args)  # speculative decoding's draft model resolves like --model
     draft_path = resolve_model(draft, None, args.download_dir, "auto") if draft else None
-    config = args.create_config(model_path=model_path, tokenizer_path=tokenizer_path,
-                                cuda_available=args.device != "cpu" and cuda_available(), draft_model_path=draft_path)
+    on_cuda = args.device != "cpu" and cuda_available()
+    config = args.create_config(model_path=model_path, tokenizer_path=tokenizer_path, cuda_available=on_cuda,
+                                draft_model_path=draft_path, num_local_gpus=local_gpu_count() if on_cuda else None)
     load_scheduler_class(config.scheduler.scheduler_cls)  # before the model loads: a bad path fails at once
     # The tokenizer (~1 s, mostly imports) loads on a thread while the executor starts the model (a
     # worker process spends ~2 s importing torch before it loads anything): start-up overlaps them.

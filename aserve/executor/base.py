@@ -73,6 +73,15 @@ def cuda_available() -> bool:
         return False
 
 
+def local_gpu_count() -> int | None:
+    """This machine's CUDA devices (honouring CUDA_VISIBLE_DEVICES), asked of the driver without torch;
+    0 with a CPU-only torch build; None when the driver does not answer."""
+    build = _torch_build_info()
+    if build is not None and build.get("cuda") is None:
+        return 0
+    return _cuda_driver_device_count()
+
+
 def _torch_build_info() -> dict | None:
     """The variables of the installed torch's `version.py` (without importing torch), or None."""
     try:
@@ -106,6 +115,10 @@ def make_executor(config: AserveConfig) -> Executor:
         from aserve.executor.process import ProcessExecutor
 
         return ProcessExecutor(config)
+    if config.parallel.distributed_executor_backend == "ray":
+        from aserve.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     from aserve.executor.thread import ThreadExecutor
 
     return ThreadExecutor(config)

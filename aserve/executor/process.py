@@ -29,36 +29,22 @@ from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.rendezvous import Rendezvous, local_rendezvous
 from aserve.executor.base import ExecutorDeadError
+from aserve.executor.rank_worker import RankWorker
 from aserve.lora.errors import LoRAAdapterError
 from aserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
-_decode_so = msgspec.msgpack.Decoder(SchedulerOutput)
 _decode_ro = msgspec.msgpack.Decoder(RunnerOutput)
 _decode_info = msgspec.msgpack.Decoder(RunnerInfo)
 
 # Message tags (first byte) on the pipe.
 _EXECUTE, _SHUTDOWN, _OK, _ERROR = b"E", b"S", b"O", b"X"
 _ADD_LORA, _REMOVE_LORA, _ADAPTER_ERROR = b"L", b"R", b"A"  # an adapter error leaves the worker running
-_decode_lora = msgspec.msgpack.Decoder(LoRARequest)
 _SLEEP, _WAKE_UP = b"Z", b"W"  # sleep mode: a failure is fatal, as in a step
 # A streamed multi-step call: rank 0 sends each decode step's output but the last as a progress message.
 _EXECUTE_STREAMED, _PROGRESS = b"e", b"P"
-_decode_tags = msgspec.msgpack.Decoder(list[str] | None)
-
-
-def _limit_threads(world_size: int) -> None:
-    """With several ranks on one CPU, each gets an equal share of the cores (at most what
-    OMP_NUM_THREADS asks for), so ranks do not oversubscribe them. Before torch is imported."""
-    if world_size == 1:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // world_size)
-    asked = os.environ.get("OMP_NUM_THREADS", "")
-    threads = min(share, int(asked)) if asked.isdigit() and int(asked) > 0 else share
-    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | None) -> None:
@@ -69,19 +55,9 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
         tag = f"replica {config.parallel.data_parallel_rank} {tag}"
     logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s [{tag}] %(name)s: %(message)s")
+    worker = RankWorker(config, rank, rendezvous)
     try:
-        if config.device.device == "cpu":  # every rank of every replica shares the cores
-            _limit_threads(world_size * config.parallel.data_parallel_size)
-        from aserve.distributed.collectives import in_waves
-        from aserve.distributed.context import SINGLE, init_distributed, shutdown_distributed
-        from aserve.runner.factory import make_runner
-
-        parallel = init_distributed(rendezvous, rank) if rendezvous is not None else SINGLE
-        runner = make_runner(config, parallel)
-        in_waves(runner.load_model, parallel, config.load.options.max_parallel_loading_workers)
-        info = runner.initialize_kv_cache()
-        runner.capture_graphs()
-        conn.send_bytes(_OK + _encoder.encode(info))
+        conn.send_bytes(_OK + worker.start())
     except BaseException:
         conn.send_bytes(_ERROR + traceback.format_exc().encode())
         return
@@ -92,44 +68,26 @@ def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | 
             return  # the engine went away
         tag, body = msg[:1], msg[1:]
         if tag == _SHUTDOWN:
-            shutdown_distributed()
+            worker.shutdown()
             return
         if tag in (_ADD_LORA, _REMOVE_LORA):
-            conn.send_bytes(_lora_call(runner, tag, body))
+            reply = worker.add_lora(body) if tag == _ADD_LORA else worker.remove_lora(int(body))
+            conn.send_bytes(_OK + (b"1" if reply.ok else b"0") if reply.error is None
+                            else _ADAPTER_ERROR + reply.error.encode())
             continue
         try:
             if tag == _SLEEP:
-                runner.sleep(int(body))
+                worker.sleep(int(body))
                 conn.send_bytes(_OK)
-                continue
-            if tag == _WAKE_UP:
-                tags = _decode_tags.decode(body)
-                # a reload of the weights (sleep level 2) goes in waves too, as at start-up
-                in_waves(lambda: runner.wake_up(None if tags is None else tuple(tags)), parallel,
-                         config.load.options.max_parallel_loading_workers)
+            elif tag == _WAKE_UP:
+                worker.wake_up(body)
                 conn.send_bytes(_OK)
-                continue
-            if tag == _EXECUTE_STREAMED and rank == 0:
-                out = runner.execute(_decode_so.decode(body),
-                                     lambda step: conn.send_bytes(_PROGRESS + _encoder.encode(step)))
             else:
-                out = runner.execute(_decode_so.decode(body))
-            conn.send_bytes(_OK + (_encoder.encode(out) if rank == 0 else b""))
+                progress = (lambda step: conn.send_bytes(_PROGRESS + step)) if tag == _EXECUTE_STREAMED else None
+                conn.send_bytes(_OK + worker.execute(body, progress))
         except BaseException:
             conn.send_bytes(_ERROR + traceback.format_exc().encode())
             return
-
-
-def _lora_call(runner, tag: bytes, body: bytes) -> bytes:
-    """Run an adapter call; any failure is the adapter's (its files, its shapes), never the worker's."""
-    try:
-        if tag == _ADD_LORA:
-            runner.add_lora(_decode_lora.decode(body))
-            return _OK
-        return _OK + (b"1" if runner.remove_lora(int(body)) else b"0")
-    except Exception as exc:  # noqa: BLE001
-        message = str(exc) if isinstance(exc, LoRAAdapterError) else f"{type(exc).__name__}: {exc}"
-        return _ADAPTER_ERROR + message.encode()
 
 
 class ProcessExecutor:

@@ -67,7 +67,9 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel
         self.device = torch.device(config.device.device)
-        if self.device.type == "cuda" and (parallel.is_parallel or config.parallel.data_parallel_rank):
+        if self.device.type == "cuda" and parallel.device_index is not None:  # chosen by the rank's host
+            self.device = torch.device("cuda", parallel.device_index)
+        elif self.device.type == "cuda" and (parallel.is_parallel or config.parallel.data_parallel_rank):
             self.device = torch.device("cuda", config.parallel.data_parallel_rank * parallel.tp_size + parallel.tp_rank)
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size

@@ -113,7 +113,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--qlora-adapter-name-or-path": {"seeds": "001 003", "status": "refused", "message": "bitsandbytes 4-bit base"},
     "--quantization": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/model/test_quantized_bundled.py::test_bf16_teacher_forced_parity"},
     "--quantization-param-path": {"seeds": "001 002", "status": "implemented", "test": "tests/config/test_kv_scale_args.py::test_scales_file_is_read_per_rank_and_layer"},
-    "--ray-workers-use-nsight": {"seeds": "001 002 003", "status": "refused", "message": "Ray is not implemented"},
+    "--ray-workers-use-nsight": {"seeds": "001 002 003", "status": "refused", "message": "Nsight profiling of the Ray workers is not supported"},
     "--reasoning-parser": {"seeds": "003", "status": "implemented", "test": "tests/server/test_structured_outputs_options.py::test_reasoning_parser_key_is_the_servers_reasoning_parser"},
     "--response-role": {"seeds": "001", "status": "implemented", "test": "tests/server/test_args.py::test_server_flags"},
     "--revision": {"seeds": "000 001 002 003", "status": "implemented", "test": "tests/model/test_model_source.py::test_bundled_hub_id_resolves_to_the_bundled_copy_without_the_network"},

@@ -45,7 +45,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(quantization="gguf"), "--quantization"),  # a hub id / missing path is not a .gguf source
     (dict(quantization="int4", device="cuda"), "--quantization"),  # the int4/int8 kernels are CPU only
     (dict(quantization="gguf", load_format="dummy"), "--quantization"),
-    (dict(distributed_executor_backend="ray"), "--distributed-executor-backend"),
+    (dict(distributed_executor_backend="fork"), "--distributed-executor-backend"),
 ])
 def test_bad_values_are_refused_before_any_model_work(kwargs, flag):
     """The model folder does not exist: the error is about the flag, so no model file was needed."""

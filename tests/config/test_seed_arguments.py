@@ -146,8 +146,7 @@ def test_deprecated_aliases_set_their_replacement(caplog):
     assert not server.disable_log_requests
     assert sum("deprecated" in r.getMessage() for r in caplog.records) == 3
     assert EngineArgs.from_kwargs(max_context_len_to_capture=64).max_seq_len_to_capture == 64
-    with pytest.raises(ConfigError, match="--distributed-executor-backend"):
-        EngineArgs.from_kwargs(worker_use_ray=True).validate()  # = ray, not implemented
+    assert EngineArgs.from_kwargs(worker_use_ray=True).distributed_executor_backend == "ray"
     with pytest.raises(SystemExit):
         parse_args(["--enable-log-requests", "--disable-log-requests"])
     with pytest.raises(ConfigError, match="--max-context-len-to-capture: contradicts"):
