@@ -84,4 +84,9 @@ class ThreadExecutor:
             raise ExecutorDeadError(f"model runner failed: {exc!r}") from exc
 
     def shutdown(self) -> None:
-        self.runner = None
+        """Releases the runner's memory now (a later engine in this process finds the device free)."""
+        runner, self.runner = self.runner, None
+        if runner is not None and hasattr(runner, "sleep_state"):  # a real ModelRunner (tests may hand in fakes)
+            from aserve.runner.sleep_mode import release_runner
+
+            release_runner(runner)

@@ -76,19 +76,28 @@ def copy_blocks(pairs: list[tuple[int, int]], src_caches: list[torch.Tensor], ds
 
 def profile_num_blocks(run_profile_step: Callable[[], None], device: torch.device, gpu_memory_utilization: float,
                        per_block: int) -> int:
-    """CUDA: runs the largest step once (`run_profile_step`), then gives what `gpu_memory_utilization`
-    of the card leaves after the peak to KV blocks of `per_block` bytes. RuntimeError if that is not
-    even two blocks."""
+    """CUDA: runs the largest step once (`run_profile_step`), then sizes the KV cache from what the
+    device has free afterwards, as vLLM does: `gpu_memory_utilization` of the card, minus everything in
+    use on it now (this process's weights and CUDA context, and whatever other processes or engines
+    hold: the free memory says it, not the card's total), minus the step's activation peak (freed
+    after the step, needed again by every step). RuntimeError naming the flags if that is not even
+    two blocks of `per_block` bytes."""
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats(device)
     run_profile_step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    total = torch.cuda.get_device_properties(device).total_memory
-    budget = total * gpu_memory_utilization - peak
-    logger.info("Memory profile: total %.2f GiB, weights+activations peak %.2f GiB, KV budget %.2f GiB",
-                total / GiB, peak / GiB, budget / GiB)
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()  # the step's cached blocks back to the device, so free memory counts them
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    budget = total * gpu_memory_utilization - in_use - activation_peak
+    logger.info("Memory profile: total %.2f GiB, in use %.2f GiB (weights, context, other processes), "
+                "activation peak %.2f GiB, KV budget %.2f GiB", total / GiB, in_use / GiB,
+                activation_peak / GiB, budget / GiB)
     if budget <= per_block * 2:
-        raise RuntimeError("No memory left for the KV cache: raise --gpu-memory-utilization or lower "
-                           "--max-num-batched-tokens / --max-model-len")
+        raise RuntimeError(
+            f"No memory left for the KV cache ({free / GiB:.2f} GiB free of {total / GiB:.2f} GiB after the "
+            f"profile step, {gpu_memory_utilization} of the card allowed): raise --gpu-memory-utilization, stop "
+            "what else holds the GPU, or lower --max-num-batched-tokens / --max-model-len")
     return int(budget // per_block)

@@ -41,7 +41,7 @@ class RunnerSleep:
     def is_sleeping(self) -> bool:
         return self.kv_released or self.weights_released or self.weights_offloaded
 
-    def sleep(self, runner: Any, level: int) -> None:
+    def sleep(self, runner: Any, level: int, announce: bool = True) -> None:
         """Release the KV cache (level 1) and the weights (level 2). ValueError for another level.
         The engine sleeps only with no unfinished request, so any request state the runner still holds
         belongs to finished requests whose end it has not been told yet: it is dropped."""
@@ -65,7 +65,8 @@ class RunnerSleep:
             _move_weights(runner, torch.device("cpu"))
             self.weights_offloaded = True
         _free_memory(runner.device)
-        logger.info("Sleeping (level %d): released the KV cache%s", level, " and the weights" if level == 2 else "")
+        if announce:
+            logger.info("Sleeping (level %d): released the KV cache%s", level, " and the weights" if level == 2 else "")
 
     def wake_up(self, runner: Any, tags: tuple[str, ...] | None = None) -> None:
         """Bring back the parts `tags` names (None: all). Reloading weights can raise what start-up's
@@ -90,6 +91,12 @@ class RunnerSleep:
                 runner.bind_kv_caches(*self.kv_blocks)
             runner.capture_graphs()
             logger.info("Awake: the KV cache and the weights are back")
+
+
+def release_runner(runner: Any) -> None:
+    """At shutdown: drop the KV cache, the weights and the graphs (as sleep level 2) and hand the
+    memory back, so a later engine in this process finds the device free."""
+    RunnerSleep().sleep(runner, 2, announce=False)
 
 
 def _move_weights(runner: Any, device: torch.device) -> None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.kernels import reference
+from aserve.kernels.activation import silu_and_mul as triton_silu_and_mul
 from aserve.model.layers.custom_op import CustomOp
 
 
@@ -23,6 +24,10 @@ class SiluAndMul(CustomOp):
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """The Triton kernel (`kernels/activation.py`: fp32 inside, one rounding)."""
+        return triton_silu_and_mul(x)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.cpu_kernels

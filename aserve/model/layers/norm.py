@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.kernels import reference
+from aserve.kernels.rms_norm import rms_norm as triton_rms_norm
 from aserve.model.layers.custom_op import CustomOp
 
 
@@ -42,6 +43,15 @@ class RMSNorm(CustomOp):
             return kernels.rms_norm(x, self.weight, self.eps, residual, weight_offset=self.weight_offset)
         return self.forward_cpu_torch(x, residual)
 
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernel (`kernels/rms_norm.py`: the residual add and the norm in one pass, the
+        native form's rounding order) when x, the residual and the weight share a dtype; else native."""
+        if x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype):
+            return triton_rms_norm(x, self.weight, self.eps, residual)
+        return self.forward_native(x, residual)
+
     def forward_cpu_torch(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +79,7 @@ class GemmaRMSNorm(RMSNorm):
 
     identity_weight = 0.0  # the scale is (1 + weight): 0 leaves normalized rows unscaled (dummy weights)
     weight_offset = 1.0
+    forward_cuda = None  # the Triton kernel scales by weight after rounding: Gemma's order is native only
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__(hidden_size, eps, dtype)

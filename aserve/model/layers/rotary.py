@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from aserve.kernels import reference
+from aserve.kernels.rotary import rotary_embedding as triton_rotary
 from aserve.model.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -56,6 +57,8 @@ class RotaryEmbedding(CustomOp):
         cache = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
         # Stored in the model dtype: HF casts fp32 cos/sin to the activations' dtype before use.
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
+        # forward_cuda's row indices 0..num_positions-1 (a step has at most that many tokens, else native)
+        self.register_buffer("row_ids", torch.arange(num_positions, dtype=torch.int64), persistent=False)
 
     @property
     def max_position(self) -> int:
@@ -68,6 +71,15 @@ class RotaryEmbedding(CustomOp):
     def forward_native(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = (c.unsqueeze(1) for c in cos_sin.chunk(2, dim=-1))
         return reference.rotate(q, cos, sin, self.is_neox), reference.rotate(k, cos, sin, self.is_neox)
+
+    def forward_cuda(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernel (`kernels/rotary.py`) with the step's gathered rows as its table: token t
+        reads row t (`row_ids`, a buffer made with the module, so CUDA graphs replay valid indices)."""
+        num_tokens = q.shape[0]
+        if (cos_sin.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1
+                or num_tokens > self.row_ids.shape[0]):
+            return self.forward_native(cos_sin, q, k)
+        return triton_rotary(self.row_ids[:num_tokens], q, k, cos_sin.contiguous(), self.is_neox)
 
     def forward_cpu(self, cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kernels = self.cpu_kernels

@@ -20,7 +20,7 @@ class _OnlyNative(CustomOp):
 def test_form_follows_the_build_device_and_the_force_native_switch(monkeypatch):
     assert RMSNorm(8).form == "cpu"
     assert _OnlyNative().form == "native"
-    assert RMSNorm.choose_form("cuda") == "native"  # no CUDA form yet: the native one runs there
+    assert RMSNorm.choose_form("cuda") == "cuda"  # the Triton kernel (tests/model/layers/test_cuda_forms.py)
     assert _OnlyNative()(torch.zeros(2)).tolist() == [1.0, 1.0]
     monkeypatch.setenv(FORCE_NATIVE_ENV, "1")
     assert RMSNorm(8).form == "native"
