@@ -59,3 +59,23 @@ def test_rotary_cuda_form_matches_native(rotary_dim, is_neox):
     want_q, want_k = rope.forward_native(cos_sin, q, k)
     torch.testing.assert_close(got_q, want_q, **CLOSE)
     torch.testing.assert_close(got_k, want_k, **CLOSE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_served_model_runs_the_triton_layer_kernels_on_cuda(tiny_llama, monkeypatch):
+    """On CUDA, a generate's profile shows the three layer kernels (eager and graph-captured decode)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from torch.profiler import ProfilerActivity, profile
+
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=128, enforce_eager=True,
+              gpu_memory_utilization=0.3)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        names = " ".join(e.key for e in prof.key_averages())
+        for kernel in ("_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"):
+            assert kernel in names, f"{kernel} did not run: {names[:2000]}"
+    finally:
+        llm.llm_engine.shutdown()
