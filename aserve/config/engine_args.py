@@ -256,6 +256,8 @@ class EngineArgs:
                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.swap_space >= 0, "swap_space", f"must be >= 0, got {self.swap_space}")
         require(self.cpu_offload_gb >= 0, "cpu_offload_gb", f"must be >= 0, got {self.cpu_offload_gb}")
+        require(self.cpu_offload_gb == 0 or not self.enable_sleep_mode, "cpu_offload_gb",
+                "cannot be combined with --enable-sleep-mode (waking would bring every offloaded weight back)")
         require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                 "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         require(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",

@@ -106,6 +106,13 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
+    backend = default_executor_backend(args.distributed_executor_backend, args.tensor_parallel_size, device,
+                                       num_local_gpus)
+    num_gpus_needed = args.data_parallel_size * args.tensor_parallel_size
+    require(device != "cuda" or num_local_gpus is None or backend == "ray" or num_gpus_needed <= num_local_gpus,
+            "data_parallel_size" if args.data_parallel_size > 1 else "tensor_parallel_size",
+            f"{args.data_parallel_size} replica(s) x {args.tensor_parallel_size} rank(s) need {num_gpus_needed} "
+            f"GPUs; this machine has {num_local_gpus} (--distributed-executor-backend ray spreads ranks over a cluster)")
     require(args.cpu_offload_gb == 0 or device == "cuda", "cpu_offload_gb",
             f"offloads weights from a GPU to CPU memory; on {device} the weights already live in CPU memory")
     # --load-format bitsandbytes (vLLM's older spelling) means --quantization bitsandbytes, weights read as auto.
@@ -216,8 +223,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
                                                        args.max_parallel_loading_workers)),
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(
-            distributed_executor_backend=default_executor_backend(args.distributed_executor_backend,
-                                                                  args.tensor_parallel_size, device, num_local_gpus),
+            distributed_executor_backend=backend,
             tensor_parallel_size=args.tensor_parallel_size,
             data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank),
         runner=RunnerConfig(

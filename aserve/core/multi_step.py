@@ -5,8 +5,9 @@ admission), the step becomes a multi-step call: the runner runs up to N decode s
 feeding each step's sampled token into the next, with no scheduler or executor round trip between
 them. Each request gets its own count (`SchedulerOutput.decode_steps`): never more tokens than its
 `max_tokens` leaves, nor past `max_model_len`; a request that stops early (EOS, a stop token) has the
-rest of its tokens computed and dropped by the stop rules, as in vLLM. A step with any prefill runs
-one step (prefills are never multi-stepped).
+rest of its tokens computed and dropped by the stop rules, as in vLLM. A step with any prompt chunk
+longer than one token runs one step (a request whose prompt ends with exactly one uncomputed token
+counts as decoding: its first sampled token then arrives with the call).
 
 KV slots: a decoding request reserves max(`num_lookahead_slots`, its count - 1) slots past its
 scheduled token, so the call's later steps write into blocks it already holds. After the call, the

@@ -307,7 +307,7 @@ class AsyncEngine:
 
             def deliver_step(step: RunnerOutput) -> None:  # on the event loop, while the call runs
                 now = time.perf_counter()
-                self._deliver(self.engine.core.update(so, step), now - started[0])
+                self._deliver(self.engine.core.update(so, step, during_execute=True), now - started[0])
                 started[0] = now
 
             def on_progress(step: RunnerOutput) -> None:  # on the worker thread

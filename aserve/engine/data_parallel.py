@@ -30,6 +30,53 @@ from aserve.executor.base import make_executor
 from aserve.sampling_params import SamplingParams
 
 
+_GAUGES = ("num_running_reqs", "num_waiting_reqs", "num_swapped_reqs", "num_used_blocks", "num_total_blocks",
+           "num_cached_free_blocks", "num_cpu_blocks", "num_tokens_in_used_blocks")
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
+
+def sum_scheduler_stats(views: list[SchedulerStats], fields: tuple[str, ...]) -> SchedulerStats:
+    """The `fields` of `views` summed (KV usage recomputed over all blocks; the rest left default)."""
+    total = SchedulerStats()
+    for view in views:
+        for f in fields:
+            setattr(total, f, getattr(total, f) + getattr(view, f))
+    total.kv_cache_usage = total.num_used_blocks / total.num_total_blocks if total.num_total_blocks else 0.0
+    return total
+
+
+class SummedGauges:
+    """Feeds one stat logger that knows nothing of replicas (the stats line, the dashboard): each
+    replica's record reaches it with the scheduler gauges summed over every replica's latest view, and
+    that replica's own counters and iteration stats (so nothing is counted twice)."""
+
+    def __init__(self, inner: Any, num_replicas: int):
+        self.inner = inner
+        self.latest = [SchedulerStats() for _ in range(num_replicas)]
+
+    def view(self, index: int) -> _ReplicaView:
+        return _ReplicaView(self, index)
+
+    def record(self, index: int, scheduler_stats: SchedulerStats, iteration_stats: Any) -> None:
+        self.latest[index] = scheduler_stats
+        merged = sum_scheduler_stats(self.latest, _GAUGES)
+        for f in _COUNTERS:
+            setattr(merged, f, getattr(scheduler_stats, f))
+        merged.spec_decoding = scheduler_stats.spec_decoding
+        self.inner.record(merged, iteration_stats)
+
+
+class _ReplicaView:
+    """What replica `index` records through (SummedGauges)."""
+
+    def __init__(self, summed: SummedGauges, index: int):
+        self.summed = summed
+        self.index = index
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: Any) -> None:
+        self.summed.record(self.index, scheduler_stats, iteration_stats)
+
+
 class DataParallelEngine:
     """The AsyncEngine interface the server uses (server/state.py's EngineClient) over replicas."""
 
@@ -66,21 +113,16 @@ class DataParallelEngine:
             await replica.check_health()
 
     def add_stat_logger(self, stat_logger: Any) -> None:
+        """Every replica records into `stat_logger`: through its per-replica view (`for_engine(i)`)
+        where it has one, else through a `SummedGauges` view (the replicas' gauges summed)."""
+        for_engine = getattr(stat_logger, "for_engine", None)
+        summed = SummedGauges(stat_logger, len(self.replicas)) if for_engine is None else None
         for i, replica in enumerate(self.replicas):
-            for_engine = getattr(stat_logger, "for_engine", None)
-            replica.add_stat_logger(for_engine(i) if for_engine is not None else stat_logger)
+            replica.add_stat_logger(for_engine(i) if for_engine is not None else summed.view(i))
 
     def get_scheduler_stats(self) -> SchedulerStats:
         """Every replica's live view, summed (KV usage: used over total blocks of all replicas)."""
-        views = [r.get_scheduler_stats() for r in self.replicas]
-        total = SchedulerStats()
-        for view in views:
-            for f in ("num_running_reqs", "num_waiting_reqs", "num_swapped_reqs", "num_used_blocks",
-                      "num_total_blocks", "num_cached_free_blocks", "num_cpu_blocks", "num_tokens_in_used_blocks",
-                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"):
-                setattr(total, f, getattr(total, f) + getattr(view, f))
-        total.kv_cache_usage = total.num_used_blocks / total.num_total_blocks if total.num_total_blocks else 0.0
-        return total
+        return sum_scheduler_stats([r.get_scheduler_stats() for r in self.replicas], _GAUGES + _COUNTERS)
 
     def inflight_requests(self) -> list[InflightRequest]:
         return sorted((req for r in self.replicas for req in r.inflight_requests()), key=lambda q: q.arrival_time)

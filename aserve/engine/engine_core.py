@@ -5,7 +5,8 @@ below it. It owns the scheduler and the executor; nothing else touches either.
 
 The offline engine calls `step()`. The async engine calls the three pieces itself so that
 `execute_model` runs on a worker thread while the event loop processes the previous step's outputs;
-`execute_model` touches only the executor, never the scheduler, so that overlap is safe. Scheduling
+`execute_model` touches only the executor, never the scheduler, so that overlap is safe (and a streamed
+multi-step call's steps may go through `update` on the loop while the call still runs). Scheduling
 facts reach the front as `EngineCoreOutput.events` and `EngineCoreOutputs.scheduler_stats`.
 """
 
@@ -129,10 +130,15 @@ class EngineCore:
         self._last_execute_time = time.perf_counter() - start
         return output
 
-    def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> EngineCoreOutputs:
+    def update(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+               during_execute: bool = False) -> EngineCoreOutputs:
+        """Applies the step's output. `during_execute`: a streamed multi-step call's decode step, applied
+        on the caller's loop while `execute_model` still runs (the scheduler is the caller's alone then:
+        `execute_model` never touches it); its execute time is counted with the call's last step."""
         outputs = self.scheduler.update(scheduler_output, runner_output)
+        execute_time = 0.0 if during_execute else self._last_execute_time
         times = StepModelTimes(list(scheduler_output.scheduled_req_ids), runner_output.forward_time,
-                               self._last_execute_time) if self._detailed_traces else None
+                               execute_time) if self._detailed_traces else None
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), times)
 
     def step(self) -> EngineCoreOutputs:

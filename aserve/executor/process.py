@@ -135,7 +135,10 @@ class ProcessExecutor:
                 if conn in ready or conn.poll():
                     body = self._recv_one(rank)
                     if body[:1] == _PROGRESS and on_progress is not None:
-                        on_progress(_decode_ro.decode(body[1:]))
+                        try:
+                            on_progress(_decode_ro.decode(body[1:]))
+                        except BaseException as exc:  # the engine could not take the step: fatal, never half-read
+                            self._fail(f"a streamed decode step could not be delivered: {exc!r}", exc)
                         continue
                     replies[rank] = body
                     pending.discard(rank)

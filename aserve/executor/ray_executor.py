@@ -2,8 +2,9 @@
 engine may live on several machines (`ray start --head` on one, `ray start --address=HEAD:6379` on
 the others, then `aserve ... --distributed-executor-backend ray`).
 
-The cluster is the one `RAY_ADDRESS` names (`ray.init(address=...)`), or, when none is given and no
-Ray is initialised in this process, a local one started here (and stopped at shutdown). Every actor
+The cluster is the one `RAY_ADDRESS` names, the one already initialised in this process, or else
+what `ray.init()` finds (a `ray start` cluster of this machine, or a new local one); the connection
+this executor made is closed at its shutdown (an external cluster keeps running). Every actor
 hosts a `RankWorker` (the same code as the `mp` worker processes) and gets the same msgpack bytes:
 every step's SchedulerOutput goes to every rank; rank 0's RunnerOutput is returned. The ranks meet in
 `torch.distributed` at rank 0's node address and a port free there (gloo on CPU, NCCL on CUDA; each
@@ -47,6 +48,9 @@ class RayRankActor:
 
     def __init__(self, config_bytes: bytes, rank: int):
         config: AserveConfig = pickle.loads(config_bytes)
+        if config.device.device == "cpu":
+            # Ray sets OMP_NUM_THREADS to the actor's 1 CPU; the rank's share of the cores is limit_threads'
+            os.environ.pop("OMP_NUM_THREADS", None)
         logging.basicConfig(level=os.environ.get("ASERVE_LOG_LEVEL", "INFO"),
                             format=f"%(levelname)s %(asctime)s [ray rank {rank}] %(name)s: %(message)s")
         self.config = config
@@ -156,19 +160,29 @@ class RayExecutor:
         raise ExecutorDeadError(message) from cause
 
     def _release(self) -> None:
+        """Kills the actors and removes the placement group (best effort: another executor of this
+        process, a data-parallel replica, may have closed the connection already), then closes the
+        connection this executor opened."""
         import ray
 
-        for actor in self._actors:
-            ray.kill(actor, no_restart=True)
-        self._actors = []
-        if self._placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        actors, self._actors = self._actors, []
+        group, self._placement_group = self._placement_group, None
+        if ray.is_initialized():
+            for actor in actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            if group is not None:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._placement_group)
-            self._placement_group = None
-        if self._started_ray:
+                try:
+                    remove_placement_group(group)
+                except Exception:  # noqa: BLE001 - already removed
+                    pass
+        if self._started_ray and ray.is_initialized():
             ray.shutdown()
-            self._started_ray = False
+        self._started_ray = False
 
     def execute(self, scheduler_output: SchedulerOutput, on_progress=None) -> RunnerOutput:
         body = _encoder.encode(scheduler_output)
@@ -200,7 +214,7 @@ class RayExecutor:
             return
         import ray
 
-        if self._dead is None and self._actors:
+        if self._dead is None and self._actors and ray.is_initialized():
             try:
                 ray.get([a.shutdown.remote() for a in self._actors], timeout=30)
             except Exception:  # noqa: BLE001 - shutting down anyway

@@ -8,7 +8,10 @@ and points the parameters at the copies, and a forward hook points them back at 
 so the device copies are freed (to the caching allocator) once the layer has run. Only
 `nn.Parameter`s move: tensors a quantization method keeps as plain attributes stay on the device.
 Because the device copies are new tensors every pass, CUDA graphs cannot replay them: the
-configuration turns graphs off (eager decode) when offloading.
+configuration turns graphs off (eager decode) when offloading. Limitation: the loader loads the whole
+model onto the device first and the layers move to host memory afterwards, so the device must hold
+the full model once at start-up; the budget lowers the steady state (more room for the KV cache), it
+does not yet let a model larger than the device load.
 """
 
 from __future__ import annotations

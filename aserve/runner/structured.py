@@ -16,6 +16,7 @@ ends with them (`</think>`); the grammar applies from the next token on.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -78,7 +79,8 @@ class StructuredOutputs:
         if model.tokenizer_mode == "mistral":  # mistral_common's tokenizer (checked at start-up by the engine)
             from transformers.tokenization_mistral_common import MistralCommonBackend
 
-            tokenizer = MistralCommonBackend.from_pretrained(model.tokenizer, revision=model.tokenizer_revision or "main")
+            tokenizer = MistralCommonBackend.from_pretrained(model.tokenizer, revision=model.tokenizer_revision or "main",
+                                                             local_files_only=os.path.isdir(model.tokenizer))
         else:
             tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, revision=model.tokenizer_revision,
                                                       trust_remote_code=model.trust_remote_code)

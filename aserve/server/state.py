@@ -30,6 +30,7 @@ from aserve.server.args import ServerArgs
 from aserve.server.chat_template import ChatRenderer, resolve_chat_template
 from aserve.server.errors import APIError, RequestFailed, overloaded
 from aserve.server.metrics import PrometheusStatLogger
+from aserve.server.mistral_chat import is_mistral_tokenizer
 from aserve.server.retry_after import DrainRate
 
 if TYPE_CHECKING:
@@ -150,6 +151,11 @@ class ServerState:
         template = resolve_chat_template(tokenizer, args.chat_template) if tokenizer is not None else None
         if tokenizer is None:
             logger.info("no tokenizer (--skip-tokenizer-init): only token-id prompts on /v1/completions")
+        elif is_mistral_tokenizer(tokenizer):
+            if args.chat_template:
+                raise ValueError("--chat-template: --tokenizer-mode mistral encodes chats with mistral_common "
+                                 "(no jinja template); drop one of the two")
+            logger.info("chats encoded by mistral_common (--tokenizer-mode mistral)")
         elif template is None:
             if engine.config.pooling is None:  # a pooling model never chats
                 logger.warning(

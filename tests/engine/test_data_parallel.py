@@ -119,3 +119,31 @@ def test_a_replica_whose_worker_dies_fails_every_request_and_health(tiny_llama):
 def test_the_offline_llm_refuses_replicas(tiny_llama):
     with pytest.raises(ConfigError, match="--data-parallel-size: the offline LLM runs one replica"):
         LLM(tiny_llama, data_parallel_size=2)
+
+
+def test_loggers_without_replica_views_see_the_gauges_summed():
+    from aserve.core.stats import SchedulerStats
+    from aserve.engine.data_parallel import SummedGauges
+
+    seen = []
+
+    class Line:
+        def record(self, s, it):
+            seen.append((s.num_running_reqs, s.num_used_blocks, s.num_total_blocks, s.prefix_cache_hits, it))
+
+    summed = SummedGauges(Line(), 2)
+    summed.view(0).record(SchedulerStats(num_running_reqs=3, num_used_blocks=4, num_total_blocks=10,
+                                         prefix_cache_hits=7), "a")
+    summed.view(1).record(SchedulerStats(num_running_reqs=2, num_used_blocks=1, num_total_blocks=10,
+                                         prefix_cache_hits=5), "b")
+    summed.view(0).record(SchedulerStats(num_running_reqs=1, num_used_blocks=2, num_total_blocks=10), "c")
+    # gauges: replica 0's latest plus replica 1's latest; counters: the recording replica's own delta
+    assert seen == [(3, 4, 10, 7, "a"), (5, 5, 20, 5, "b"), (3, 3, 20, 0, "c")]  # replica 1 unseen at first
+
+
+def test_replicas_must_fit_the_gpus_unless_ray(tiny_llama):
+    with pytest.raises(ConfigError, match="--data-parallel-size: 2 replica\\(s\\) x 1 rank\\(s\\) need 2 GPUs"):
+        EngineArgs(model=tiny_llama, data_parallel_size=2).create_config(cuda_available=True, num_local_gpus=1)
+    config = EngineArgs(model=tiny_llama, data_parallel_size=2, distributed_executor_backend="ray").create_config(
+        cuda_available=True, num_local_gpus=1)
+    assert config.parallel.distributed_executor_backend == "ray"

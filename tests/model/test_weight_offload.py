@@ -53,3 +53,8 @@ def test_the_flag_is_refused_on_cpu_and_resolved_on_cuda(tiny_llama):
     config = EngineArgs(model=tiny_llama, cpu_offload_gb=1.5).create_config(model_path=tiny_llama, cuda_available=True)
     assert config.device.device == "cuda" and config.cache.cpu_offload_bytes == int(1.5 * GiB)
     assert config.runner.enforce_eager  # no CUDA graphs over streamed weights
+
+
+def test_offload_with_sleep_mode_is_refused():
+    with pytest.raises(ConfigError, match="--cpu-offload-gb: cannot be combined with --enable-sleep-mode"):
+        EngineArgs(cpu_offload_gb=1, enable_sleep_mode=True).validate()
