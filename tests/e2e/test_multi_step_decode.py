@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 
 from aserve import LLM, SamplingParams
-from aserve.sampling_params import GuidedDecodingParams
-from tests.e2e.test_spec_decode import TEXT_PROMPTS, tiny_llama_with_tokenizer  # noqa: F401 (fixture)
+from tests.e2e.test_spec_decode import (  # noqa: F401 (a fixture)
+    TEXT_PROMPTS,
+    assert_same_outputs,
+    json_schema_params,
+    tiny_llama_with_tokenizer,
+)
 
 
 def _llm(path: str, num_steps: int) -> LLM:
@@ -38,16 +42,6 @@ def test_stop_strings_cut_the_text_where_single_step_does(pair):
 def test_json_schema_grammar_advances_inside_the_call(pair):
     pytest.importorskip("xgrammar")
     single, multi = pair
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                               "tags": {"type": "array", "items": {"enum": ["a", "b", "ab"]},
-                                                        "maxItems": 6}},
-              "required": ["name", "tags"], "additionalProperties": False}
-    params = SamplingParams(temperature=0.0, max_tokens=48,
-                            guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+    params = json_schema_params()
     prompts = ["JSON: {\"name\": \"ab\", \"tags\": [\"a\", \"b\"]} JSON:", TEXT_PROMPTS[1]]
-    want = single.generate(prompts, params, use_tqdm=False)
-    got = multi.generate(prompts, params, use_tqdm=False)
-    for w, g in zip(want, got):
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        assert g.outputs[0].text == w.outputs[0].text
-        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert_same_outputs(single, multi, prompts, params)

@@ -238,23 +238,33 @@ def test_stop_strings_never_leak(method, tiny_llama_with_tokenizer):
     assert totals.num_drafts > 0
 
 
-def test_json_schema_request_identical(tiny_llama_with_tokenizer):
-    pytest.importorskip("xgrammar")
+def json_schema_params() -> SamplingParams:
+    """Greedy, 48 tokens, a small JSON schema without whitespace (shared with test_multi_step_decode.py)."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                                "tags": {"type": "array", "items": {"enum": ["a", "b", "ab"]},
                                                         "maxItems": 6}},
               "required": ["name", "tags"], "additionalProperties": False}
-    params = SamplingParams(temperature=0.0, max_tokens=48,
-                            guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+    return SamplingParams(temperature=0.0, max_tokens=48,
+                          guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+
+
+def assert_same_outputs(want_llm: LLM, got_llm: LLM, prompts: list[str], params: SamplingParams) -> None:
+    """Both engines give the same tokens, text and finish reason for every prompt."""
+    want = want_llm.generate(prompts, params, use_tqdm=False)
+    got = got_llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+
+
+def test_json_schema_request_identical(tiny_llama_with_tokenizer):
+    pytest.importorskip("xgrammar")
+    params = json_schema_params()
     prompts = ["JSON: {\"name\": \"ab\", \"tags\": [\"a\", \"b\", \"a\", \"b\"]} JSON:", TEXT_PROMPTS[1]]
     base, _ = _text_llm(tiny_llama_with_tokenizer, spec=False)
     spec, totals = _text_llm(tiny_llama_with_tokenizer, spec=True)
-    expected = base.generate(prompts, params, use_tqdm=False)
-    got = spec.generate(prompts, params, use_tqdm=False)
-    for e, g in zip(expected, got):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        assert g.outputs[0].text == e.outputs[0].text
-        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason
+    assert_same_outputs(base, spec, prompts, params)
     assert totals.num_drafts > 0
 
 

@@ -23,13 +23,18 @@ def _engine(path: str, executors: list | None = None, **kwargs) -> AsyncEngine:
     args = EngineArgs(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                       cpu_kvcache_space=0.02, **kwargs)
 
+    return AsyncEngine.from_engine_args(args, executor_factory=recording_factory(executors))
+
+
+def recording_factory(executors: list | None):
+    """An executor factory that appends each executor it makes to `executors` (when given)."""
     def factory(config):
         executor = make_executor(config)
         if executors is not None:
             executors.append(executor)
         return executor
 
-    return AsyncEngine.from_engine_args(args, executor_factory=factory)
+    return factory
 
 
 async def _collect(engine: AsyncEngine, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:

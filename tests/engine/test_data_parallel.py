@@ -14,8 +14,9 @@ from aserve import LLM
 from aserve.config import ConfigError, EngineArgs
 from aserve.engine.async_engine import EngineDeadError
 from aserve.engine.data_parallel import DataParallelEngine
-from aserve.executor.base import ExecutorDeadError, make_executor
+from aserve.executor.base import ExecutorDeadError
 from aserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.engine.test_async_engine import recording_factory
 
 SHARED = list(range(40, 72))  # two 16-token blocks
 PROMPTS = [SHARED + [5, 6, 7], list(range(100, 130)), SHARED + [9, 1], [3, 4, 5, 6, 7, 8], list(range(200, 219))]
@@ -26,13 +27,7 @@ def _engine(path: str, executors: list | None = None, **kwargs) -> DataParallelE
     args = EngineArgs(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                       cpu_kvcache_space=0.02, data_parallel_size=2, **kwargs)
 
-    def factory(config):
-        executor = make_executor(config)
-        if executors is not None:
-            executors.append(executor)
-        return executor
-
-    return DataParallelEngine.from_engine_args(args, executor_factory=factory)
+    return DataParallelEngine.from_engine_args(args, executor_factory=recording_factory(executors))
 
 
 def _params(max_tokens: int) -> SamplingParams:
