@@ -82,6 +82,10 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...]
     layer_sliding_windows: tuple[int | None, ...] = ()
     family: Any = None
+    # A pipeline stage's view (config/parallel.py `stage_arch_config`): this model holds checkpoint layers
+    # first_layer .. first_layer + num_hidden_layers - 1; per-layer fields stay indexed by global layer.
+    first_layer: int = 0
+    total_layers: int = 0  # a stage's model: the checkpoint's layer count (0: the whole model, not a stage)
 
     @property
     def is_encoder(self) -> bool:

@@ -70,3 +70,21 @@ def default_executor_backend(given: str | None, world_size: int, device: str, nu
             and importlib.util.find_spec("ray") is not None):
         return "ray"
     return "mp" if world_size > 1 else "uni"
+
+
+def pipeline_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """Stage `pp_rank`'s contiguous layers [start, end) of `num_layers` split over `pp_size` stages as
+    evenly as possible (the first `num_layers % pp_size` stages hold one more)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+def stage_arch_config(arch: ArchConfig, pp_rank: int, pp_size: int) -> ArchConfig:
+    """Pipeline stage `pp_rank`'s view of `arch`: its layers only (`first_layer`, `num_hidden_layers`);
+    `arch` itself with one stage."""
+    if pp_size == 1:
+        return arch
+    start, end = pipeline_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
+    return dataclasses.replace(arch, first_layer=start, num_hidden_layers=end - start,
+                               total_layers=arch.num_hidden_layers)

@@ -19,6 +19,7 @@ from aserve.model.attention.base import AttentionBackend, AttentionMetadata, Dec
 from aserve.model.kv_scales import attention_owners, load_kv_scale
 from aserve.model.layers.attention import Attention
 from aserve.model.layers.linear import MergedLinear
+from aserve.model.pipeline import stage_local_name
 
 
 # The Llama-style checkpoint's separate projections -> (aserve's fused layer, shard index).
@@ -124,8 +125,10 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         tied = getattr(self.lm_head, "tied", False)
         owners = attention_owners(self)
+        stage = self.arch if self.arch.total_layers else None  # a pipeline stage holds some layers only
         for original, tensor in weights:
-            name = self.checkpoint_name(original)
+            local = original if stage is None else stage_local_name(original, stage)
+            name = None if local is None else self.checkpoint_name(local)
             if name is None or name.endswith(self.ignored_suffixes):
                 continue
             if name not in params and load_kv_scale(owners, original, name, tensor):  # fp8 KV scales: kv_scales.py

@@ -101,7 +101,8 @@ class GemmaModel(nn.Module):
             self.local_rotary = RotaryEmbedding(arch.head_dim, arch.head_dim, arch.max_position_embeddings,
                                                 fields.local_rope_theta, None, is_neox=True, dtype=dtype)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(arch, fields, i, backend, dtype) for i in range(arch.num_hidden_layers))
+            GemmaDecoderLayer(arch, fields, i, backend, dtype)
+            for i in range(arch.first_layer, arch.first_layer + arch.num_hidden_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -78,7 +78,8 @@ class GPT2Model(nn.Module):
         super().__init__()
         self.wte = VocabEmbedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.wpe = PositionEmbedding(arch.max_position_embeddings, arch.hidden_size, dtype=dtype)
-        self.h = nn.ModuleList(GPT2Block(arch, i, backend, dtype) for i in range(arch.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(arch, i, backend, dtype)
+                               for i in range(arch.first_layer, arch.first_layer + arch.num_hidden_layers))
         self.ln_f = LayerNorm(arch.hidden_size, arch.family.layer_norm_epsilon, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
                                       arch.rope_theta, arch.rope_scaling, is_neox=True, dtype=dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, i, options, self.rotary, backend, dtype, mlp_factory(i) if mlp_factory else None)
-            for i in range(arch.num_hidden_layers)
+            for i in range(arch.first_layer, arch.first_layer + arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype=dtype)
 
