@@ -33,6 +33,7 @@ from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.model.weight_offload import offload_weights
 from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
+from aserve.runner.graph_capture import capture_decode
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
 from aserve.runner.kv_memory import ModelInputsForProfile, copy_blocks, profile_num_blocks, zeroed
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
@@ -44,8 +45,6 @@ from aserve.runner.step_sampling import StepSamples, StepSampler
 from aserve.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-# Attention backends whose forward never syncs with the host, so a CUDA graph can capture it.
-_GRAPH_CAPTURABLE_BACKENDS = ("triton",)
 
 
 def make_attention_backend(name: str):
@@ -199,32 +198,8 @@ class ModelRunner:
         self.sleep_state.wake_up(self, tags)
 
     def capture_graphs(self) -> None:
-        """CUDA, unless enforce_eager: capture the decode graphs. Only host-sync-free backends can be
-        captured; the torch backend checks its slots on the host, so with it decode stays eager.
-        CPU with `compile_sizes` (-O3): compile the decode forward for those batch sizes instead."""
-        if self.kv_scale_calc.defer_capture():  # captured after the first step computed the fp8 KV scales
-            return
-        sizes = self.config.runner.compile_sizes
-        if self.device.type == "cpu" and sizes:
-            if not getattr(self.backend, "supports_decode_inputs", False):
-                raise ValueError(f"-O3 on CPU needs the torch attention backend, not {self.backend.name}")
-            self.compiled_decode = CompiledDecode(self.model, sizes, self.kv_caches, self.config.runner.compile_backend)
-            seconds = self.compiled_decode.warm_up()
-            logger.info("Compiled the CPU decode forward (inductor) for batch sizes %s in %.1fs", list(sizes), seconds)
-            return
-        if self.device.type != "cuda" or self.config.runner.enforce_eager:
-            return
-        if self.backend.name not in _GRAPH_CAPTURABLE_BACKENDS:
-            logger.warning("CUDA graphs need the triton attention backend; the %s backend runs decode eagerly",
-                           self.backend.name)
-            return
-        # No sequence outgrows max_model_len: a smaller cap keeps the captured decode work small.
-        max_len = min(self.config.runner.max_seq_len_to_capture, self.config.model.max_model_len)
-        self.graph_runner = CudaGraphRunner(
-            self.model, self.static_sizes, self.max_blocks_per_seq, max_len, self.device,
-            self.lora.graph_capture_context if self.lora is not None else None)
-        seconds = self.graph_runner.capture()
-        logger.info("Captured CUDA graphs for decode batch sizes %s in %.1fs", self.static_sizes, seconds)
+        """CUDA graphs for decode, or on CPU with -O3 the compiled decode (`runner/graph_capture.py`)."""
+        capture_decode(self)
 
     # -- per step ----------------------------------------------------------------------------------
     def _add_request(self, new: NewRequestData) -> None:
