@@ -96,13 +96,20 @@ def test_a_static_fused_layer_uses_the_largest_shard_input_scale():
     assert layer.w8a8_input_scale.shape == () and float(layer.w8a8_input_scale) == 2.0
 
 
-# ---- W8A8 checkpoints -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("scheme", ["w8a8", "w8a8_static"])
-def test_w8a8_checkpoint_matches_the_reference_semantics(tmp_path, scheme):
+def _served_with(tmp_path, scheme: str, method: str):
+    """(our fp32 model of a `scheme` checkpoint, the dequantized folder, its Linear layers), checking
+    every Linear got `method`."""
     quant, deq = build_ct(tmp_path, scheme)
     ours = load_ours(quant, "float32")
     layers = linear_layers(ours)
-    assert {layer.quant_method.name for _, layer in layers} == {"w8a8_int8"}
+    assert {layer.quant_method.name for _, layer in layers} == {method}
+    return ours, deq, layers
+
+
+# ---- W8A8 checkpoints -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a8_static"])
+def test_w8a8_checkpoint_matches_the_reference_semantics(tmp_path, scheme):
+    ours, deq, layers = _served_with(tmp_path, scheme, "w8a8_int8")
     assert all(layer.w8a8_weight.dtype == torch.int8 for _, layer in layers)  # 1 byte a weight resident
     assert not any(hasattr(layer, "weight") for _, layer in layers)
     static = STATIC_INPUT_SCALE if scheme == "w8a8_static" else None
@@ -119,13 +126,17 @@ def test_w8a8_checkpoint_in_bf16_follows_fp32(tmp_path):
     assert greedy_generate(ours, PROMPTS, 6) == greedy_generate(ref, PROMPTS, 6)
 
 
-def test_w8a8_checkpoint_with_a_wrong_scale_changes_the_output(tmp_path):
-    quant, deq = build_ct(tmp_path, "w8a8")
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8", "w8a16"])
+def test_a_checkpoint_with_a_wrong_scale_changes_the_output(tmp_path, scheme):
+    """The scales are really read: flipping down_proj's per-channel scales moves the outputs away from
+    the dequantized reference (W8A8's reference also quantizes activations)."""
+    quant, deq = build_ct(tmp_path, scheme)
     state = load_file(str(quant / "model.safetensors"))
     state[f"{DOWN}.weight_scale"] = state[f"{DOWN}.weight_scale"].flip(0).contiguous()
     save_file(state, str(quant / "model.safetensors"), metadata={"format": "pt"})
     got = run_schedule(load_ours(quant, "float32"), PROMPTS, STEPS, 16)
-    want = run_schedule(_reference_model(deq), PROMPTS, STEPS, 16)
+    reference = _reference_model(deq) if scheme == "w8a8" else load_ours(deq, "float32")
+    want = run_schedule(reference, PROMPTS, STEPS, 16)
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want, strict=True))
 
 
@@ -147,43 +158,17 @@ def test_an_ignored_module_stored_quantized_is_refused(tmp_path, entry):
 # ---- FP8 and W8A16 compressed-tensors checkpoints ------------------------------------------------------
 @pytest.mark.parametrize("scheme", ["fp8", "fp8_static"])
 def test_ct_fp8_checkpoint_is_served_weight_only_like_fp8_checkpoints(tmp_path, scheme):
-    quant, deq = build_ct(tmp_path, scheme)
-    ours = load_ours(quant, "float32")
-    layers = linear_layers(ours)
-    assert {layer.quant_method.name for _, layer in layers} == {"fp8"}
+    ours, deq, layers = _served_with(tmp_path, scheme, "fp8")
     assert all(layer.fp8_weight.dtype == torch.float8_e4m3fn for _, layer in layers)
     _assert_close_outputs(ours, load_ours(deq, "float32"))  # activations unquantized on CPU
 
 
-def test_ct_fp8_checkpoint_with_a_wrong_scale_changes_the_output(tmp_path):
-    quant, deq = build_ct(tmp_path, "fp8")
-    state = load_file(str(quant / "model.safetensors"))
-    state[f"{DOWN}.weight_scale"] = state[f"{DOWN}.weight_scale"].flip(0).contiguous()
-    save_file(state, str(quant / "model.safetensors"), metadata={"format": "pt"})
-    got = run_schedule(load_ours(quant, "float32"), PROMPTS, STEPS, 16)
-    want = run_schedule(load_ours(deq, "float32"), PROMPTS, STEPS, 16)
-    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want, strict=True))
-
-
 def test_ct_w8a16_channel_checkpoint_runs_on_the_int8_kernel(tmp_path):
-    quant, deq = build_ct(tmp_path, "w8a16")
-    ours = load_ours(quant, "float32")
-    layers = linear_layers(ours)
-    assert {layer.quant_method.name for _, layer in layers} == {"compressed-tensors"}
+    ours, deq, layers = _served_with(tmp_path, "w8a16", "compressed-tensors")
     assert all(layer.int8_weight.dtype == torch.int8 and not hasattr(layer, "weight") for _, layer in layers)
     ref = load_ours(deq, "float32")
     assert FP32_KERNEL_MAX_ROWS < 9  # the 9-row first step dequantizes on the fly; the 2-row decode is the kernel
     _assert_close_outputs(ours, ref)
-
-
-def test_ct_w8a16_checkpoint_with_a_wrong_scale_changes_the_output(tmp_path):
-    quant, deq = build_ct(tmp_path, "w8a16")
-    state = load_file(str(quant / "model.safetensors"))
-    state[f"{DOWN}.weight_scale"] = state[f"{DOWN}.weight_scale"].flip(0).contiguous()
-    save_file(state, str(quant / "model.safetensors"), metadata={"format": "pt"})
-    got = run_schedule(load_ours(quant, "float32"), PROMPTS, STEPS, 16)
-    want = run_schedule(load_ours(deq, "float32"), PROMPTS, STEPS, 16)
-    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(got, want, strict=True))
 
 
 def test_ct_w8a16_group_checkpoint_stays_dequantized(tmp_path):
