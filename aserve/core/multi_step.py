@@ -34,9 +34,9 @@ class MultiStepPolicy:
         return max(1, min(self.num_steps, left))
 
     def plan(self, counts: dict[str, int], num_scheduled: dict[str, int]) -> dict[str, int]:
-        """The step's `decode_steps`: `counts` (every decoding request's `steps_for`) when every scheduled
-        request is among them and one runs more than one step; else {} (an ordinary step)."""
-        if self.num_steps == 1 or len(counts) != len(num_scheduled) or not any(n > 1 for n in counts.values()):
+        """The step's `decode_steps`: `counts` (every decoding request's `steps_for`; empty with multi-step
+        off) when every scheduled request is among them and one runs more than one step; else {}."""
+        if len(counts) != len(num_scheduled) or not any(n > 1 for n in counts.values()):
             return {}
         return counts if all(r in counts for r in num_scheduled) else {}
 

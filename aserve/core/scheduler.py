@@ -186,7 +186,7 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = blocks
             budget -= num_new
-            if remaining == 1 == num_new:
+            if remaining == 1 == num_new and self.multi_step.num_steps > 1:
                 decode_counts[req.request_id] = steps
             i += 1
 
