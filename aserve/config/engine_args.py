@@ -27,6 +27,7 @@ from aserve.config.kv_scales import validate_kv_scale_args
 from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.observability import validate_observability_args
+from aserve.config.parallel import check_pipeline_args
 from aserve.config.pooling import validate_pooling_args
 from aserve.config.loading import check_loading_args
 from aserve.config.quantization import (
@@ -273,13 +274,11 @@ class EngineArgs:
                 f"must be >= 1 byte, got {self.kv_cache_memory_bytes}")
 
     def _reject_unimplemented_parallelism(self) -> None:
-        """Tensor parallelism runs over `mp` (one worker process per rank); the rest of scale-out is
-        refused by name (issue 19's later steps)."""
+        """Tensor and pipeline parallelism run over `mp` or `ray` (one worker per rank); combinations
+        not built are refused by name."""
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        require(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
-                "pipeline parallelism is not implemented yet (only 1); use --tensor-parallel-size to split a "
-                "model across devices of one machine")
+        check_pipeline_args(self)
         require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
                 f"must be in [0, --data-parallel-size={self.data_parallel_size}), got {self.data_parallel_rank}")
         if self.data_parallel_size > 1:

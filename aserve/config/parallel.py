@@ -1,5 +1,6 @@
-"""Tensor parallelism at the config level (standard library only): the checks a model must pass for
-`--tensor-parallel-size N`, and each rank's view of the architecture.
+"""Tensor and pipeline parallelism at the config level (standard library only): the checks a model and
+the other flags must pass for `--tensor-parallel-size N` / `--pipeline-parallel-size P`, and each
+rank's view of the architecture (its heads and widths, its stage's layers).
 
 A rank builds the model from `rank_arch_config(arch, N)`: attention heads, KV heads and MLP widths
 divided by N (KV heads replicated when there are fewer than N), the rest unchanged, so model files
@@ -13,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
+from typing import Any
+
 from aserve.config.errors import require
 from aserve.config.families import MoeFields
-from aserve.config.hf_config import ArchConfig
+from aserve.config.hf_config import SUPPORTED_ARCHITECTURES, ArchConfig
 
 _FLAG = "tensor_parallel_size"
 
@@ -88,3 +91,42 @@ def stage_arch_config(arch: ArchConfig, pp_rank: int, pp_size: int) -> ArchConfi
     start, end = pipeline_layer_range(arch.num_hidden_layers, pp_rank, pp_size)
     return dataclasses.replace(arch, first_layer=start, num_hidden_layers=end - start,
                                total_layers=arch.num_hidden_layers)
+
+
+_PP = "pipeline_parallel_size"
+# Architectures whose decoder splits into stages (model/pipeline.py: embedding, layers, final norm, with the
+# residual stream between layers); GPT-2 and OPT add learned positions to the embedding and are not split.
+PIPELINE_ARCHITECTURES = SUPPORTED_ARCHITECTURES - {"GPT2LMHeadModel", "OPTForCausalLM"}
+
+
+def check_pipeline_args(args: Any) -> None:
+    """ConfigError naming the flag for what `--pipeline-parallel-size` > 1 does not combine with (the
+    engine arguments alone; the model is checked by `check_pipeline_parallel`)."""
+    pp = args.pipeline_parallel_size
+    if pp == 1:
+        return
+    require(args.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
+            f"--pipeline-parallel-size {pp} runs one worker per rank: it needs 'mp' or 'ray', not "
+            f"{args.distributed_executor_backend!r}")
+    refused = [
+        ("speculative_config", args.speculative_config is not None, "speculative decoding"),
+        ("num_scheduler_steps", args.num_scheduler_steps > 1, "multi-step decode"),
+        ("enable_lora", args.enable_lora, "LoRA adapters"),
+        ("enable_sleep_mode", args.enable_sleep_mode, "sleep mode"),
+        ("cpu_offload_gb", args.cpu_offload_gb > 0, "weight offloading"),
+        ("quantization", args.quantization == "gguf", "'gguf' (its blocks are read by the whole model's names)"),
+        ("model_impl", args.model_impl == "transformers", "the Transformers backend (its layers are not split)"),
+    ]
+    for flag, given, what in refused:
+        require(not given, flag, f"{what} is not implemented with --pipeline-parallel-size > 1")
+
+
+def check_pipeline_parallel(arch: ArchConfig, pp_size: int) -> None:
+    """ConfigError naming --pipeline-parallel-size unless the model splits into `pp_size` stages of at
+    least one layer each."""
+    if pp_size == 1:
+        return
+    require(arch.architecture in PIPELINE_ARCHITECTURES, _PP,
+            f"{arch.architecture} is not split into pipeline stages (supported: {sorted(PIPELINE_ARCHITECTURES)})")
+    require(arch.num_hidden_layers >= pp_size, _PP,
+            f"{pp_size} stages need at least {pp_size} layers; the model has {arch.num_hidden_layers}")

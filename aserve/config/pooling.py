@@ -104,6 +104,8 @@ def resolve_pooling_config(args: Any, architecture: str, model_path: str | None,
         return None
     require(args.tensor_parallel_size == 1, "tensor_parallel_size",
             "tensor parallelism is not implemented for pooling models (only 1)")
+    require(args.pipeline_parallel_size == 1, "pipeline_parallel_size",
+            "pipeline parallelism is not implemented for pooling models (only 1)")
     require(not args.enable_lora, "enable_lora", "LoRA adapters are not implemented for pooling models")
     require(args.quantization is None, "quantization", "quantized pooling models are not implemented")
     require(not args.calculate_kv_scales, "calculate_kv_scales", "not implemented for pooling models (use "

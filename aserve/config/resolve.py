@@ -14,7 +14,7 @@ from aserve.config.dtype_policy import resolve_dtype
 from aserve.config.compilation import resolve_compilation
 from aserve.config.errors import require
 from aserve.config.families import normalize_keys
-from aserve.config.parallel import check_tensor_parallel
+from aserve.config.parallel import check_pipeline_parallel, check_tensor_parallel
 from aserve.config.lora import resolve_lora_config
 from aserve.config.observability import resolve_observability
 from aserve.config.pooling import bare_model_architecture, needs_whole_prompt, resolve_pooling_config, resolve_task
@@ -101,17 +101,18 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     else:
         arch = ArchConfig.from_hf_dict(hf_cfg, disable_sliding_window=args.disable_sliding_window)
         check_tensor_parallel(arch, args.tensor_parallel_size)
+        check_pipeline_parallel(arch, args.pipeline_parallel_size)
 
     device = args.device
     if device == "auto":
         device = "cuda" if cuda_available else "cpu"
     require(device != "cuda" or cuda_available, "device", "cuda requested but no CUDA device is available")
-    backend = default_executor_backend(args.distributed_executor_backend, args.tensor_parallel_size, device,
-                                       num_local_gpus)
-    num_gpus_needed = args.data_parallel_size * args.tensor_parallel_size
+    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+    backend = default_executor_backend(args.distributed_executor_backend, world_size, device, num_local_gpus)
+    num_gpus_needed = args.data_parallel_size * world_size
     require(device != "cuda" or num_local_gpus is None or backend == "ray" or num_gpus_needed <= num_local_gpus,
             "data_parallel_size" if args.data_parallel_size > 1 else "tensor_parallel_size",
-            f"{args.data_parallel_size} replica(s) x {args.tensor_parallel_size} rank(s) need {num_gpus_needed} "
+            f"{args.data_parallel_size} replica(s) x {world_size} rank(s) need {num_gpus_needed} "
             f"GPUs; this machine has {num_local_gpus} (--distributed-executor-backend ray spreads ranks over a cluster)")
     require(args.cpu_offload_gb == 0 or device == "cuda", "cpu_offload_gb",
             f"offloads weights from a GPU to CPU memory; on {device} the weights already live in CPU memory")
@@ -126,6 +127,9 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
                                                     hf_cfg, str(path), args.tensor_parallel_size)
     require(quantization is None or device == "cpu" or (device == "cuda" and quantization in CUDA_METHODS),
             "quantization", cuda_refusal(quantization or ""))
+    require(args.pipeline_parallel_size == 1 or quant_spec is None, "pipeline_parallel_size",
+            f"a quantized checkpoint ({quantization}) is not split into pipeline stages yet (only 1); online "
+            "--quantization int8 / int4 / fp8 / bitsandbytes of a float checkpoint is")
     require(args.load_format != "tensorizer" or quant_spec is None, "load_format",
             f"'tensorizer' reads float checkpoints; {path} is a {quantization} checkpoint (quantization_config): "
             "serve it with --load-format auto")
@@ -181,8 +185,9 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         compilation = eager_for_transformers(compilation, device)
     require(pooling is None or not compilation.compile_sizes, "compilation_config",
             "pooling models run no decode steps: the CPU compiled decode (-O3) does not apply; drop -O3")
-    require(args.tensor_parallel_size == 1 or not compilation.compile_sizes, "compilation_config",
-            "the CPU compiled decode (-O3) is not implemented with --tensor-parallel-size > 1; drop -O3")
+    require(world_size == 1 or not compilation.compile_sizes, "compilation_config",
+            "the CPU compiled decode (-O3) is not implemented with --tensor-parallel-size or "
+            "--pipeline-parallel-size > 1; drop -O3")
     return AserveConfig(
         model=model_cfg,
         cache=CacheConfig(
@@ -215,6 +220,7 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             num_lookahead_slots=resolve_num_lookahead_slots(args, speculative),
             num_scheduler_steps=args.num_scheduler_steps,
             multi_step_stream_outputs=args.multi_step_stream_outputs,
+            max_steps_in_flight=args.pipeline_parallel_size,
         ),
         load=LoadConfig(load_format="auto" if bnb_format else args.load_format, quantization=quantization,
                         quant_spec=quant_spec,
@@ -224,11 +230,13 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
         device=DeviceConfig(device=device),
         parallel=ParallelConfig(
             distributed_executor_backend=backend,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank),
         runner=RunnerConfig(
-            # offloaded weights are copied anew each pass: no CUDA graph can replay them
-            enforce_eager=compilation.level == 0 or device != "cuda" or args.cpu_offload_gb > 0,
+            # offloaded weights are copied anew each pass: no CUDA graph can replay them; a later pipeline
+            # stage's input arrives through a hook outside any graph (graphs with pipeline parallelism: not built)
+            enforce_eager=(compilation.level == 0 or device != "cuda" or args.cpu_offload_gb > 0
+                           or args.pipeline_parallel_size > 1),
             compile_sizes=compilation.compile_sizes,
             compile_backend=compilation.backend,
             max_seq_len_to_capture=args.max_seq_len_to_capture,

@@ -90,6 +90,8 @@ class SchedulerConfig:
     # multi-step decode (aserve/core/multi_step.py): decode steps per call; stream each step's tokens
     num_scheduler_steps: int = 1
     multi_step_stream_outputs: bool = True
+    # pipeline parallelism: steps the engine keeps in flight (one per stage), each request in one at most
+    max_steps_in_flight: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,9 @@ class DeviceConfig:
 class ParallelConfig:
     """Where the runner lives: `uni` (a thread of this process) or `mp` (worker processes). With
     `tensor_parallel_size` N > 1, `mp` runs one worker per rank (the default then; `uni` is refused).
-    Pipeline parallelism is refused at validation, so `pipeline_parallel_size` is always 1 today.
+    With `pipeline_parallel_size` P > 1 there are tp x P ranks, stage by stage (runner/pipeline_stage.py).
     With `data_parallel_size` N > 1 this engine is replica `data_parallel_rank` of N (engine/data_parallel.py):
-    on CUDA its ranks use devices rank * tp .. rank * tp + tp - 1; on CPU every rank of every replica
+    on CUDA its ranks use devices rank * W .. rank * W + W - 1 (W = tp x pp); on CPU every rank of every replica
     shares the cores."""
 
     distributed_executor_backend: str = "uni"

@@ -11,7 +11,8 @@ Protocol, per step:
     `pooling_params`: when its prompt is fully computed the runner pools it instead of sampling
     (`RunnerOutput.pooled_outputs`) and the scheduler finishes it.
   * `cached_requests`: requests the runner already holds; only what changed: blocks appended
-    to the block table and the current `num_computed_tokens`.
+    to the block table and the current `num_computed_tokens` (with pipeline parallelism also the
+    step's input tokens once past the prompt: the stages before the last do not sample).
   * `scheduled_req_ids[i]` gets `num_scheduled_tokens[i]` tokens this step, starting at its
     `num_computed_tokens`. A request samples when, after this step, every one of its tokens is
     computed (computed + scheduled == len(prompt) + len(outputs) + its scheduled drafts).
@@ -27,6 +28,9 @@ Protocol, per step:
     one's input, in KV slots the request already holds. Its `RunnerOutput` then carries up to that
     many tokens per request; streamed, the runner reports each step as its own `RunnerOutput` (with
     `decode_step` set) before the call returns the last.
+  * Pipeline parallelism (`SchedulerConfig.max_steps_in_flight` > 1): several steps are in flight at
+    once, and a request is in at most one of them (it is scheduled again only after its step's
+    output went through `update`).
   * `blocks_to_swap_out` / `blocks_to_swap_in`: (src, dst) block ids the runner applies before the
     forward pass (swap_out: device -> cpu, swap_in: cpu -> device). Only full blocks are ever shared,
     so no copy-on-write is needed.
@@ -59,6 +63,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # pipeline parallel: the step's input tokens from `num_computed_tokens` on, once past the prompt (the
+    # stages before the last never see sampled tokens otherwise); empty without pipeline parallelism
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):
@@ -82,6 +89,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     @property
     def is_empty(self) -> bool:
         return not self.scheduled_req_ids
+
+    @property
+    def needs_runner(self) -> bool:
+        """Whether the runner has anything to do: tokens to compute, requests to drop, blocks to swap."""
+        return bool(self.scheduled_req_ids or self.finished_req_ids or self.blocks_to_swap_out
+                    or self.blocks_to_swap_in)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -14,7 +14,9 @@ With speculative decoding a decoding request also gets the drafts `core/spec_dec
 `--num-scheduler-steps` an all-decode step becomes a multi-step call (`core/multi_step.py`).
 
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run); `update()`
-appends the sampled tokens and applies the stop rules. The runner protocol: `aserve.core.batch`.
+appends the sampled tokens and applies the stop rules. With pipeline parallelism several steps are in
+flight (`max_steps_in_flight`): a request in one is skipped by later ones and never preempted, until its
+`update`. The runner protocol: `aserve.core.batch`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,9 @@ class Scheduler:
         self._stats = StatsReporter()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
         self._runner_req_ids: set[str] = set()  # requests whose state the runner holds
+        # pipeline parallelism: requests in a step not yet through `update` (skipped, never preempted)
+        self.pipelined = scheduler_config.max_steps_in_flight > 1
+        self._in_flight: set[str] = set()
 
     # -- intake and queries ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -155,8 +160,12 @@ class Scheduler:
 
         # 1. Running requests, in order.
         i = 0
+        in_flight = self._in_flight
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.request_id in in_flight:
+                i += 1
+                continue
             remaining = min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
             drafts = self.drafts.drafts_for(req) if speculate and remaining == 1 else ()
             wanted = remaining + len(drafts)
@@ -233,7 +242,9 @@ class Scheduler:
             if n is None:
                 continue
             if req_id in runner_ids:
-                cached_reqs.append(CachedRequestData(req_id, new_block_ids[req_id], req.num_computed_tokens))
+                nc = req.num_computed_tokens
+                tokens = req.all_token_ids[nc:nc + n] if self.pipelined and nc >= req.num_prompt_tokens else []
+                cached_reqs.append(CachedRequestData(req_id, new_block_ids[req_id], nc, tokens))
             else:
                 runner_ids.add(req_id)
                 new_reqs.append(req.new_request_data(self.kv_cache_manager.get_block_ids(req_id)))
@@ -241,6 +252,8 @@ class Scheduler:
             scheduled_nums.append(n)
             req.num_computed_tokens += n
         finished, self._finished_req_ids = self._finished_req_ids, []
+        if self.pipelined:
+            in_flight.update(scheduled_ids)
         if limits.delay_factor > 0:  # did this step run prompt tokens?
             limits.end_step(any(r.num_computed_tokens - num_scheduled[r.request_id] < r.num_prompt_tokens
                                 for r in running if r.request_id in num_scheduled))
@@ -251,8 +264,11 @@ class Scheduler:
                                propose_drafts=self.drafts.step_enabled(len(running)),
                                decode_steps=self.multi_step.plan(decode_counts, num_scheduled))
 
-    def _victim_index(self) -> int:  # the running request to preempt (core/preemption.py)
-        return victim_index(self.running, self.priority_policy)
+    def _victim_index(self) -> int:  # the running request to preempt (core/preemption.py), never one in flight
+        if not self._in_flight:
+            return victim_index(self.running, self.priority_policy)
+        candidates = [r for r in self.running if r.request_id not in self._in_flight]
+        return self.running.index(candidates[victim_index(candidates, self.priority_policy)])
 
     def _preempt(self, idx: int, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
                  swap_out: list[tuple[int, int]]) -> int:
@@ -285,6 +301,8 @@ class Scheduler:
         was pooled (and finished), finished, or failed alone in the runner (finish_reason "error")."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
+        if self.pipelined:
+            self._in_flight.difference_update(scheduler_output.scheduled_req_ids)
         if runner_output.failed_requests:
             self._fail_requests(runner_output.failed_requests, outputs)
         for req_id, pooled in runner_output.pooled_outputs.items():

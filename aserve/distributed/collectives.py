@@ -37,28 +37,27 @@ def all_gather_last_dim(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
 
 
 def all_reduce_min(value: int, ctx: ParallelContext) -> int:
-    """The smallest of the ranks' `value`s (start-up agreements such as the KV block count)."""
-    if ctx.tp_size == 1:
+    """The smallest of every rank's `value` (all stages: start-up agreements such as the KV block count)."""
+    if ctx.world_size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    if dist.get_backend(ctx.group) == "nccl":
+    if dist.get_backend(ctx.world_group) == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.world_group)
     return int(t.item())
-
 
 
 def in_waves(work, ctx: ParallelContext, max_at_once: int | None, barrier=None) -> None:
     """Run `work()` on every rank, at most `max_at_once` ranks at a time (`--max-parallel-loading-workers`):
-    rank r runs in wave `r // max_at_once`, and every rank waits at a barrier after each wave (all ranks
-    must call this together). None, or one rank: just `work()`. `barrier` defaults to the process group's."""
-    if ctx.tp_size == 1 or max_at_once is None or max_at_once >= ctx.tp_size:
+    global rank r runs in wave `r // max_at_once`, and every rank waits at a barrier after each wave (all
+    ranks must call this together). None, or one rank: just `work()`. `barrier` defaults to the world's."""
+    if ctx.world_size == 1 or max_at_once is None or max_at_once >= ctx.world_size:
         work()
         return
     if barrier is None:
         def barrier() -> None:
-            dist.barrier(group=ctx.group)
-    for wave in range(-(-ctx.tp_size // max_at_once)):
-        if ctx.tp_rank // max_at_once == wave:
+            dist.barrier(group=ctx.world_group)
+    for wave in range(-(-ctx.world_size // max_at_once)):
+        if ctx.rank // max_at_once == wave:
             work()
         barrier()

@@ -42,11 +42,11 @@ def shm_collectives_supported(backend: str) -> bool:
 
 
 class ShmCollectives:
-    """One mapping shared by the `world_size` ranks of `group` (created by rank 0 under /dev/shm,
-    unlinked once every rank has mapped it, so nothing is left behind). Collective: every rank must
-    construct it, and then call the same operations in the same order."""
+    """One mapping shared by the `world_size` ranks of `group` (created by its rank 0, global rank
+    `root`, under /dev/shm, unlinked once every rank has mapped it, so nothing is left behind).
+    Collective: every rank must construct it, and then call the same operations in the same order."""
 
-    def __init__(self, rank: int, world_size: int, group, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, group, timeout_s: float, root: int = 0):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         header = world_size * _COUNTER_STRIDE * 8
         size = header + 2 * world_size * SLOT_BYTES
@@ -56,7 +56,7 @@ class ShmCollectives:
             fd, path[0] = tempfile.mkstemp(prefix="aserve-tp-", dir=folder)
             os.ftruncate(fd, size)
             os.close(fd)
-        dist.broadcast_object_list(path, src=0, group=group)
+        dist.broadcast_object_list(path, src=root, group=group)
         with open(path[0], "r+b") as f:
             self._map = mmap.mmap(f.fileno(), size)
         dist.barrier(group=group)

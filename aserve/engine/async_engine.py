@@ -28,6 +28,7 @@ from aserve.engine.engine_core import EngineCoreOutputs
 from aserve.engine.errors import EngineBusyError, EngineSleepingError
 from aserve.engine.llm_engine import LLMEngine
 from aserve.engine.lora_registry import LoRARegistry
+from aserve.engine.pipelined_loop import run_pipelined
 from aserve.engine.stats import StatLogger
 from aserve.executor.base import make_executor
 from aserve.lora.request import LoRARequest
@@ -135,7 +136,8 @@ class AsyncEngine:
         worker process (`mp`): on a thread, the event loop's own work (HTTP, detokenizing, SSE)
         competes with the forward pass for the GIL and the cores, which doubled the per-token
         latency at c=1 on 2 CPU cores (44 vs 23 ms, README). The offline `LLM` keeps `uni`."""
-        if args.distributed_executor_backend is None and args.tensor_parallel_size == 1:  # more: mp or ray
+        if (args.distributed_executor_backend is None and args.tensor_parallel_size == 1
+                and args.pipeline_parallel_size == 1):  # more ranks: mp or ray
             args = dataclasses.replace(args, distributed_executor_backend=ASYNC_DEFAULT_EXECUTOR_BACKEND)
         return cls(LLMEngine.from_engine_args(args, stat_loggers, executor_factory))
 
@@ -325,6 +327,9 @@ class AsyncEngine:
         core = self.engine.core
         pending_time = 0.0
         try:
+            if core.max_steps_in_flight > 1:  # pipeline parallelism: several steps in flight
+                await run_pipelined(self)
+                return
             while not self._stopping or self.engine.has_unfinished_requests():
                 if not self.engine.has_unfinished_requests():
                     if pending is not None:

@@ -3,6 +3,11 @@ below it. It owns the scheduler and the executor; nothing else touches either.
 
     step() = schedule() -> execute_model() -> update()
 
+With pipeline parallelism (`max_steps_in_flight` > 1, one step per stage) a step is split into
+`submit(so)` and `collect()`, and `step()` keeps up to that many steps in flight: it schedules and
+submits until the pipeline is full (the scheduler leaves requests in flight out), then collects the
+oldest step and applies it (the async engine does the same on its loop: engine/pipelined_loop.py).
+
 The offline engine calls `step()`. The async engine calls the three pieces itself so that
 `execute_model` runs on a worker thread while the event loop processes the previous step's outputs;
 `execute_model` touches only the executor, never the scheduler, so that overlap is safe (and a streamed
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,6 +81,8 @@ class EngineCore:
                                        speculative=config.speculative)
         self._detailed_traces = config.observability.collect_detailed_traces
         self._last_execute_time = 0.0  # the latest execute_model call's seconds (detailed traces only)
+        self.max_steps_in_flight = config.scheduler.max_steps_in_flight
+        self._steps_in_flight: deque[SchedulerOutput] = deque()  # offline pipelined steps, oldest first
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,7 +97,8 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not finished, or offline pipelined steps not collected yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self._steps_in_flight)
 
     def num_unfinished_requests(self) -> int:
         """Requests waiting, running or swapped (each sample of an n > 1 request counts one)."""
@@ -141,9 +150,29 @@ class EngineCore:
                                execute_time) if self._detailed_traces else None
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), times)
 
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Pipeline parallelism: starts the step without waiting (blocking only to hand it over)."""
+        self._executor.submit(scheduler_output)
+
+    def collect(self) -> RunnerOutput:
+        """Pipeline parallelism: the oldest submitted step's output (blocking); ExecutorDeadError as
+        `execute_model`."""
+        return self._executor.collect()
+
     def step(self) -> EngineCoreOutputs:
-        scheduler_output = self.schedule()
-        return self.update(scheduler_output, self.execute_model(scheduler_output))
+        if self.max_steps_in_flight == 1:
+            scheduler_output = self.schedule()
+            return self.update(scheduler_output, self.execute_model(scheduler_output))
+        steps = self._steps_in_flight
+        while len(steps) < self.max_steps_in_flight:
+            scheduler_output = self.schedule()
+            if not scheduler_output.needs_runner:
+                break
+            self.submit(scheduler_output)
+            steps.append(scheduler_output)
+        if not steps:
+            return EngineCoreOutputs([], self.scheduler.make_stats())
+        return self.update(steps.popleft(), self.collect())
 
     # -- adapters (never while execute_model runs) ---------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:

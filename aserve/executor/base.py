@@ -30,6 +30,15 @@ class Executor(Protocol):
         output but the last is passed to `on_progress` (on the calling thread) while the call runs."""
         ...
 
+    # Pipeline parallelism (`mp` and `ray` only): a step split in two, so several are in flight.
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for its output (blocking only to hand it over)."""
+        ...
+
+    def collect(self) -> RunnerOutput:
+        """The output of the oldest step `submit` started and no `collect` returned; failures as `execute`."""
+        ...
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter into the runner's host cache (blocking; never concurrently with
         `execute`). Raises LoRAAdapterError (the adapter's fault: the runner is unharmed) or

@@ -1,9 +1,12 @@
 """`mp`: the runner lives in worker processes; steps travel as msgspec msgpack over one pipe per worker.
 
-With `--tensor-parallel-size N` there are N workers, one per rank, which meet in `torch.distributed`
-at a localhost port chosen here (gloo on CPU, NCCL on CUDA). Every step's `SchedulerOutput` goes to
-every rank (they all run the same step and sample the same tokens from the gathered logits); rank 0's
-`RunnerOutput` is returned, the others answer with an empty acknowledgement.
+With `--tensor-parallel-size N` and `--pipeline-parallel-size P` there are N x P workers, one per rank,
+which meet in `torch.distributed` at a localhost port chosen here (gloo on CPU, NCCL on CUDA). Every
+step's `SchedulerOutput` goes to every rank (they all run the same step; the last stage's ranks sample
+the same tokens from the gathered logits); the first rank of the last stage returns the `RunnerOutput`
+(`rank_worker.output_rank`), the others answer with an empty acknowledgement. `submit` / `collect`
+split a step so that several are in flight (pipeline parallelism): each worker's pipe keeps them in
+order, and `collect` returns the oldest step's output.
 
 Any worker's death (crash, OOM kill) or error, at start-up or in a step, is fatal: ExecutorDeadError,
 which the engine turns into failed requests and a failing /health, never a hang. While waiting for a
@@ -29,7 +32,7 @@ from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.rendezvous import Rendezvous, local_rendezvous
 from aserve.executor.base import ExecutorDeadError
-from aserve.executor.rank_worker import RankWorker
+from aserve.executor.rank_worker import RankWorker, output_rank
 from aserve.lora.errors import LoRAAdapterError
 from aserve.lora.request import LoRARequest
 
@@ -95,14 +98,15 @@ class ProcessExecutor:
 
     def __init__(self, config: AserveConfig):
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        self.output_rank = output_rank(config)
         self._conns: list = []
         self._procs: list = []
         self._dead: str | None = None
 
     def start(self) -> RunnerInfo:
-        """Start one worker per rank and wait for all of them; rank 0's RunnerInfo (the ranks agreed on
-        the KV block count). Raises ExecutorDeadError (with the failing rank's traceback) if any rank
+        """Start one worker per rank and wait for all of them; the output rank's RunnerInfo (the ranks
+        agreed on the KV block count). Raises ExecutorDeadError (with the failing rank's traceback) if any rank
         fails or dies while starting; the others are stopped."""
         ctx = mp.get_context("spawn")
         rendezvous = local_rendezvous(self.world_size, self.config.device.device) if self.world_size > 1 else None
@@ -117,14 +121,15 @@ class ProcessExecutor:
             self._conns.append(parent)
             self._procs.append(proc)
         if rendezvous is not None:
-            logger.info("Started %d tensor-parallel workers (%s at %s)", self.world_size, rendezvous.backend,
-                        rendezvous.init_method)
+            logger.info("Started %d workers: %d tensor-parallel x %d pipeline stages (%s at %s)", self.world_size,
+                        self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size,
+                        rendezvous.backend, rendezvous.init_method)
         return _decode_info.decode(self._recv_all())
 
     def _recv_all(self, every: bool = False, on_progress: Callable[[RunnerOutput], None] | None = None):
-        """One reply from every rank: rank 0's body (`every`: the list of bodies, in rank order).
-        Rank 0's progress messages before its reply go to `on_progress`. Watches every worker's
-        sentinel meanwhile."""
+        """One reply from every rank: the output rank's body (`every`: the list of bodies, in rank order).
+        The output rank's progress messages before its reply go to `on_progress`. Watches every
+        worker's sentinel meanwhile."""
         pending = set(range(len(self._conns)))
         replies: dict[int, bytes] = {}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
@@ -146,7 +151,7 @@ class ProcessExecutor:
                 rank = sentinels.get(sentinel)
                 if rank is not None and not self._conns[rank].poll():  # died without a last word
                     self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})")
-        return [replies[r] for r in range(len(self._conns))] if every else replies[0]
+        return [replies[r] for r in range(len(self._conns))] if every else replies[self.output_rank]
 
     def _recv_one(self, rank: int) -> bytes:
         try:
@@ -158,7 +163,7 @@ class ProcessExecutor:
         return msg if msg[:1] in (_ADAPTER_ERROR, _PROGRESS) else msg[1:]
 
     def _who(self, rank: int) -> str:
-        return "model worker" if self.world_size == 1 else f"model worker (tensor-parallel rank {rank})"
+        return "model worker" if self.world_size == 1 else f"model worker (rank {rank})"
 
     def _exit_code(self, rank: int) -> int | None:
         proc = self._procs[rank]
@@ -189,6 +194,14 @@ class ProcessExecutor:
         streamed = on_progress is not None and bool(scheduler_output.decode_steps)
         self._broadcast((_EXECUTE_STREAMED if streamed else _EXECUTE) + _encoder.encode(scheduler_output))
         return _decode_ro.decode(self._recv_all(on_progress=on_progress if streamed else None))
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Starts a step without waiting for it (pipeline parallelism); `collect` returns its output."""
+        self._broadcast(_EXECUTE + _encoder.encode(scheduler_output))
+
+    def collect(self) -> RunnerOutput:
+        """The output of the oldest step `submit` started and no `collect` returned yet (blocking)."""
+        return _decode_ro.decode(self._recv_all())
 
     def _adapter_call(self, body: bytes) -> bytes:
         """Every rank runs it; LoRAAdapterError if any rank refused the adapter (rank order)."""

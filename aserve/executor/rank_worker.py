@@ -45,8 +45,16 @@ class LoRAReply(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
+def output_rank(config: AserveConfig) -> int:
+    """The rank whose `RunnerOutput` the executor returns: the first of the last pipeline stage (every
+    rank of that stage samples the same tokens; earlier stages sample none)."""
+    parallel = config.parallel
+    return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+
+
 class RankWorker:
-    """Rank `rank` of the engine's workers; `rendezvous` None: the only one."""
+    """Global rank `rank` of the engine's workers (stage by stage: pp_rank * tp + tp_rank); `rendezvous`
+    None: the only one."""
 
     def __init__(self, config: AserveConfig, rank: int, rendezvous: Rendezvous | None):
         self.config = config
@@ -54,6 +62,7 @@ class RankWorker:
         self.rendezvous = rendezvous
         self.runner = None
         self.parallel = None
+        self.output_rank = output_rank(config)
 
     @property
     def world_size(self) -> int:
@@ -72,8 +81,8 @@ class RankWorker:
 
         if device_index is None and config.device.device == "cuda":  # replica r: devices r*world .. r*world+world-1
             device_index = config.parallel.data_parallel_rank * self.world_size + self.rank
-        self.parallel = (init_distributed(self.rendezvous, self.rank, device_index) if self.rendezvous is not None
-                         else SINGLE.with_device(device_index))
+        self.parallel = (init_distributed(self.rendezvous, self.rank, device_index, config.parallel.pipeline_parallel_size)
+                         if self.rendezvous is not None else SINGLE.with_device(device_index))
         self.runner = make_runner(config, self.parallel)
         in_waves(self.runner.load_model, self.parallel, config.load.options.max_parallel_loading_workers)
         info: RunnerInfo = self.runner.initialize_kv_cache()
@@ -81,14 +90,15 @@ class RankWorker:
         return _encoder.encode(info)
 
     def execute(self, body: bytes, on_progress: Callable[[bytes], None] | None = None) -> bytes:
-        """One step (encoded SchedulerOutput in); rank 0's encoded RunnerOutput out, b"" elsewhere.
-        `on_progress` (rank 0): each streamed decode step's encoded RunnerOutput but the last."""
+        """One step (encoded SchedulerOutput in); the output rank's encoded RunnerOutput out, b"" elsewhere.
+        `on_progress` (the output rank): each streamed decode step's encoded RunnerOutput but the last."""
         so = _decode_so.decode(body)
-        if on_progress is not None and self.rank == 0:
+        mine = self.rank == self.output_rank
+        if on_progress is not None and mine:
             out: RunnerOutput = self.runner.execute(so, lambda step: on_progress(_encoder.encode(step)))
         else:
             out = self.runner.execute(so)
-        return _encoder.encode(out) if self.rank == 0 else b""
+        return _encoder.encode(out) if mine else b""
 
     def add_lora(self, body: bytes) -> LoRAReply:
         return self._lora_call(lambda: self.runner.add_lora(_decode_lora.decode(body)) or True)
@@ -119,4 +129,6 @@ class RankWorker:
     def shutdown(self) -> None:
         from aserve.distributed.context import shutdown_distributed
 
+        if self.runner is not None and self.runner.stage is not None:
+            self.runner.stage.flush()
         shutdown_distributed()

@@ -6,7 +6,9 @@ The cluster is the one `RAY_ADDRESS` names, the one already initialised in this 
 what `ray.init()` finds (a `ray start` cluster of this machine, or a new local one); the connection
 this executor made is closed at its shutdown (an external cluster keeps running). Every actor
 hosts a `RankWorker` (the same code as the `mp` worker processes) and gets the same msgpack bytes:
-every step's SchedulerOutput goes to every rank; rank 0's RunnerOutput is returned. The ranks meet in
+every step's SchedulerOutput goes to every rank; the output rank's RunnerOutput (the first rank of the
+last pipeline stage) is returned; `submit` / `collect` keep several steps in flight (an actor runs its
+calls one at a time, in submission order). The ranks (tp x pp of them) meet in
 `torch.distributed` at rank 0's node address and a port free there (gloo on CPU, NCCL on CUDA; each
 actor owns one GPU, which it sees as cuda:0); shared-memory collectives only when every rank is on
 one node.
@@ -24,6 +26,7 @@ import logging
 import os
 import pickle
 import socket
+from collections import deque
 from typing import Any, NoReturn
 
 import msgspec
@@ -32,7 +35,7 @@ from aserve.config import AserveConfig
 from aserve.core.batch import RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous
 from aserve.executor.base import ExecutorDeadError
-from aserve.executor.rank_worker import LoRAReply, RankWorker
+from aserve.executor.rank_worker import LoRAReply, RankWorker, output_rank
 from aserve.lora.errors import LoRAAdapterError
 from aserve.lora.request import LoRARequest
 
@@ -95,14 +98,16 @@ class RayExecutor:
 
     def __init__(self, config: AserveConfig):
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        self.output_rank = output_rank(config)
+        self._submitted: deque[list] = deque()  # each submitted step's calls, oldest first
         self._actors: list[Any] = []
         self._placement_group = None
         self._started_ray = False
         self._dead: str | None = None
 
     def start(self) -> RunnerInfo:
-        """Places one actor per rank and starts them; rank 0's RunnerInfo. ExecutorDeadError (with the
+        """Places one actor per rank and starts them; the output rank's RunnerInfo. ExecutorDeadError (with the
         failing rank's error) if the cluster cannot place them or any rank fails; nothing is left behind."""
         try:
             import ray
@@ -136,7 +141,7 @@ class RayExecutor:
             logger.info("Started %d Ray ranks on %d node(s) (%s at %s)", self.world_size,
                         len({h for h, _ in addresses}), rendezvous.backend, rendezvous.init_method)
         infos = self._gather([a.start.remote(rendezvous) for a in self._actors])
-        return _decode_info.decode(infos[0])
+        return _decode_info.decode(infos[self.output_rank])
 
     def _gather(self, refs: list) -> list:
         """Every rank's result, in rank order; the first failure (an error raised, an actor dead) is
@@ -185,8 +190,19 @@ class RayExecutor:
         self._started_ray = False
 
     def execute(self, scheduler_output: SchedulerOutput, on_progress=None) -> RunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Starts a step on every rank without waiting for it; `collect` returns its output."""
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
         body = _encoder.encode(scheduler_output)
-        return _decode_ro.decode(self._gather([a.execute.remote(body) for a in self._actors])[0])
+        self._submitted.append([a.execute.remote(body) for a in self._actors])
+
+    def collect(self) -> RunnerOutput:
+        """The oldest submitted step's output (blocking)."""
+        return _decode_ro.decode(self._gather(self._submitted.popleft())[self.output_rank])
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         body = _encoder.encode(lora_request)

@@ -21,14 +21,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from aserve.config import AserveConfig
-from aserve.config.parallel import kv_head_replicas, rank_arch_config
+from aserve.config.parallel import kv_head_replicas, rank_arch_config, stage_arch_config
 from aserve.config.quantization import CUDA_METHODS
 from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.model.attention.base import AttentionBackend
 from aserve.model.layers.norm import NORM_LAYERS
 from aserve.model.models.registry import get_model_class
+from aserve.model.pipeline import stage_local_name
 from aserve.model.quantization import assign, load_time_method
-from aserve.model.quantization.gguf_reader import GGUFLinearWeights
 from aserve.model.tensor_parallel import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
                parallel: ParallelContext = SINGLE) -> nn.Module:
     """Construct the architecture's model on `device` in `config.model.dtype` and load its weights;
     under tensor parallelism (`parallel`), this rank's slice of it (built from the rank's `ArchConfig`,
-    sharded as the model's declared plan says: aserve/model/tensor_parallel.py).
+    sharded as the model's declared plan says: aserve/model/tensor_parallel.py); in a pipeline stage,
+    only the stage's layers (the runner turns it into the stage: runner/pipeline_stage.py).
 
     Raises WeightsNotFoundError when the folder has no weights of the requested load format and
     ValueError when the checkpoint does not fit the architecture or the quantization.
@@ -79,7 +80,7 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
         model = load_transformers_model(config, backend, device)
         settle_kv_scales(model, config, parallel)
         return model
-    arch = rank_arch_config(config.model.arch, parallel.tp_size)
+    arch = stage_arch_config(rank_arch_config(config.model.arch, parallel.tp_size), parallel.pp_rank, parallel.pp_size)
     dtype = torch_dtype(config.model.dtype)
     model_cls = get_model_class(arch.architecture)
     model = model_cls(arch, backend, dtype, device)
@@ -92,20 +93,10 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
                          f"CUDA serves {', '.join(CUDA_METHODS)})")
     options = config.load.options
     threads = options.num_threads if options.multithread_load else 1  # --model-loader-extra-config
-    if quantization == "gguf":
-        model.load_weights(_gguf_weights(model, config.model.model_path))
-    elif config.load.quant_spec is not None and config.load.quant_spec.method == "fp8":  # an FP8 checkpoint
-        model.load_weights(_fp8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
-                                                   load_format, threads))
-    elif config.load.quant_spec is not None and config.load.quant_spec.method == "bitsandbytes":
-        model.load_weights(_bnb_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
-                                                   load_format, threads))
-    elif config.load.quant_spec is not None and config.load.quant_spec.method == "w8a8":  # c-t int-quantized
-        model.load_weights(_w8a8_checkpoint_weights(model, config.load.quant_spec, config.model.model_path,
-                                                    load_format, threads))
-    elif config.load.quant_spec is not None:  # a GPTQ / AWQ / compressed-tensors checkpoint
-        model.load_weights(_checkpoint_quantized_weights(model, config.load.quant_spec, config.model.model_path,
-                                                         load_format, threads))
+    if quantization == "gguf" or config.load.quant_spec is not None:  # a GGUF file, a quantized checkpoint
+        from aserve.model.checkpoint_readers import quantized_weights
+
+        model.load_weights(quantized_weights(model, config, threads))
     else:
         if quantization == "fp8":  # online FP8: Linear layers only (MoE experts stay in the model dtype)
             from aserve.model.quantization.fp8 import Fp8OnlineMethod
@@ -135,7 +126,9 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
 
             model.load_weights(tensorizer_weights(config.load.options))
         else:
-            model.load_weights(iterate_weights(config.model.model_path, load_format,
+            other_stages = (None if not arch.total_layers  # a pipeline stage skips the other stages' layers
+                            else lambda name: stage_local_name(name, arch) is None)
+            model.load_weights(iterate_weights(config.model.model_path, load_format, skip=other_stages,
                                                ignore_patterns=config.load.ignore_patterns, num_threads=threads))
     assign.use_cpu_linear_forms(model)
     counts = assign.process_weights_after_loading(model)
@@ -153,127 +146,12 @@ def settle_kv_scales(model: nn.Module, config: AserveConfig, parallel: ParallelC
     from aserve.model.kv_scales import apply_kv_scales
 
     file_scales = config.cache.kv_scales
-    apply_kv_scales(model, kv_cache_dtype_for(config), None if file_scales is None else file_scales[parallel.tp_rank],
-                    config.cache.calculate_kv_scales, what=config.model.model_path)
-
-
-def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Set the GGUF int4 method where the file allows it; the checkpoint tensors to load."""
-    from aserve.model_source import gguf_source_of
-
-    source = gguf_source_of(model_path)
-    if source is None:
-        raise ValueError(f"--quantization gguf: {model_path} was not converted from a .gguf file; "
-                         "pass a .gguf file (or no --model for the bundled one) or drop --quantization")
-    gguf = GGUFLinearWeights(source)
-    native = assign.set_gguf_methods(model, gguf)
-    logger.info("--quantization gguf: %d of %d GGUF Linear weights served in 4 bits from %s", len(native),
-                len(gguf.names()), source)
-    if native:  # one layer checked against the converted copy: catches an unknown layout loudly
-        first = min(native)
-        _, files = weight_files(model_path, "safetensors")
-        assign.check_gguf_decoding(gguf, first, _read_tensor(files, f"{first}.weight"))
-    floats = iterate_weights(model_path, "safetensors", skip=lambda name: name.rsplit(".", 1)[0] in native)
-    return assign.gguf_weights(floats, gguf, native)
-
-
-def _checkpoint_tensor_names(model_path: str, load_format: str, what: str) -> list[str]:
-    """The tensor names of a quantized checkpoint's safetensors files; ValueError (naming `what`) for others."""
-    kind, files = weight_files(model_path, load_format)
-    if kind != "safetensors":
-        raise ValueError(f"{what} are read from safetensors only")
-    return _tensor_names(files)
-
-
-def _checkpoint_quantized_weights(model: nn.Module, spec, model_path: str,
-                                  load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """Set the checkpoint method on the layers the checkpoint quantizes; the tensors to load, each
-    quantized module's in the method's form (aserve/model/quantization/checkpoint_formats.py)."""
-    from aserve.model.quantization import checkpoint_formats
-
-    names = _checkpoint_tensor_names(model_path, load_format, f"--quantization {spec.method}: quantized checkpoints")
-    targets = checkpoint_formats.assign_methods(model, spec, _not_ignored(
-        spec, checkpoint_formats.quantized_prefixes(names, spec)))
-    logger.info("--quantization %s: %d-bit, group size %d%s: %d of %d Linear layers quantized in the checkpoint",
-                spec.method, spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
-                len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)))
-    weights = iterate_weights(model_path, load_format, num_threads=threads)
-    return checkpoint_formats.canonical_weights(weights, spec, targets)
-
-
-def _fp8_checkpoint_weights(model: nn.Module, spec, model_path: str,
-                           load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """Set the fp8 checkpoint method on the layers the checkpoint stores in fp8; the tensors to load
-    (aserve/model/quantization/fp8.py)."""
-    from aserve.model.quantization import fp8
-
-    names = _checkpoint_tensor_names(model_path, load_format, "--quantization fp8: fp8 checkpoints")
-    prefixes = _not_ignored(spec, fp8.fp8_prefixes(names))
-    targets = fp8.assign_fp8_methods(model, spec.block_size, prefixes)
-    logger.info("--quantization fp8: %s scales, %s activations (served unquantized): %d of %d Linear layers fp8 "
-                "in the checkpoint; kernel: %s",
-                f"{list(spec.block_size)} block" if spec.block_size else "per-tensor / per-channel",
-                spec.activation_scheme, len({id(layer) for layer, _ in targets.values()}),
-                len(assign.linear_layers(model)), fp8.KERNEL)
-    return fp8.fp8_weights(iterate_weights(model_path, load_format, num_threads=threads), spec.block_size, targets)
-
-
-def _w8a8_checkpoint_weights(model: nn.Module, spec, model_path: str,
-                             load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """Set the W8A8 int8 method on the layers a compressed-tensors `int-quantized` checkpoint quantizes; the
-    tensors to load (aserve/model/quantization/w8a8.py)."""
-    from aserve.model.quantization import w8a8
-
-    names = _checkpoint_tensor_names(model_path, load_format, "--quantization compressed-tensors: W8A8 checkpoints")
-    static = spec.activation_scheme == "static"
-    targets = w8a8.assign_w8a8_methods(model, static, _not_ignored(spec, w8a8.w8a8_prefixes(names)))
-    logger.info("--quantization compressed-tensors: W8A8 int8, %s activations: %d of %d Linear layers int8 in the "
-                "checkpoint; kernel: %s", "static per-tensor" if static else "dynamic per-token",
-                len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)), w8a8.KERNEL)
-    return w8a8.w8a8_weights(iterate_weights(model_path, load_format, num_threads=threads), static, targets)
-
-
-def _bnb_checkpoint_weights(model: nn.Module, spec, model_path: str,
-                            load_format: str, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
-    """Set the bitsandbytes checkpoint method on the layers the checkpoint quantizes; the tensors to load
-    (aserve/model/quantization/bitsandbytes.py)."""
-    from aserve.model.quantization import bitsandbytes as bnb
-
-    names = _checkpoint_tensor_names(model_path, load_format, "--quantization bitsandbytes: bitsandbytes checkpoints")
-    prefixes = bnb.quantized_prefixes(names, spec.bits)
-    targets, dequantized = bnb.assign_checkpoint_methods(model, spec.bits, prefixes)
-    logger.info("--quantization bitsandbytes: %s checkpoint: %d of %d Linear layers quantized%s",
-                f"4-bit {spec.quant_type}" if spec.bits == 4 else "8-bit LLM.int8()",
-                len({id(layer) for layer, _ in targets.values()}), len(assign.linear_layers(model)),
-                "" if spec.bits == 4 else "; kernel: int8 weight-only (_weight_int8pack_mm), per-row SCB / 127")
-    weights = iterate_weights(model_path, load_format, num_threads=threads)
-    return bnb.checkpoint_weights(weights, spec.bits, targets, dequantized)
-
-
-def _tensor_names(files: list[str]) -> list[str]:
-    from safetensors import safe_open
-
-    return [n for path in files for n in safe_open(path, framework="pt", device="cpu").keys()]  # noqa: SIM118
-
-
-def _not_ignored(spec, prefixes: set[str]) -> set[str]:
-    """`prefixes` (the checkpoint's quantized modules); ValueError naming any the config's ignore list
-    names (`QuantSpec.ignores`): such a module must be stored in float, which is how it is left."""
-    clash = sorted(p for p in prefixes if spec.ignores(p))
-    if clash:
-        raise ValueError(f"{spec.method} checkpoint: modules {clash[:4]} are named by the quantization_config's "
-                         f"ignore list {list(spec.ignore)} but stored quantized")
-    return prefixes
-
-
-def _read_tensor(files: list[str], name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as h:
-            if name in h.keys():  # noqa: SIM118 (not a mapping)
-                return h.get_tensor(name)
-    raise WeightsNotFoundError(f"no tensor {name!r} in {files}")
+    scales = None if file_scales is None else file_scales[parallel.tp_rank]
+    arch = getattr(model, "arch", None)
+    if scales is not None and arch is not None and arch.total_layers:  # a pipeline stage: its layers' scales
+        scales = scales[arch.first_layer:arch.first_layer + arch.num_hidden_layers]
+    apply_kv_scales(model, kv_cache_dtype_for(config), scales, config.cache.calculate_kv_scales,
+                    what=config.model.model_path)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -1,6 +1,5 @@
-"""Pipeline-parallel stages of a decoder, applied from outside the family files (groundwork for
-`--pipeline-parallel-size`, which is still refused at start-up: the stage hand-off between ranks, the
-token ids the later stages need and the micro-batch overlap are not built yet).
+"""Pipeline-parallel stages of a decoder (`--pipeline-parallel-size`), applied from outside the family
+files; the hand-off between ranks is the runner's (`runner/pipeline_stage.py`).
 
 A stage's model is built from `config.parallel.stage_arch_config`: only its layers exist, each built
 with its global index (per-layer options such as sliding windows stay right), and the loader maps
@@ -10,7 +9,8 @@ last ends with `StreamOut` in place of the final norm (it returns hidden + resid
 next layer's fused add-and-norm would form), and a stage that is not the first takes that tensor as
 its embedding output (`PipelineInput`, a forward hook fed before each forward), which its first layer
 treats as a fresh residual stream, so the composition computes exactly what the whole model does.
-Families built on `LlamaModel` (Llama, Mistral, Qwen2/3, Phi-3, the MoE families) have this shape.
+Families built on `LlamaModel` (Llama, Mistral, Qwen2/3, Phi-3, the MoE families) and Gemma 2/3 have
+this shape (`config.parallel.PIPELINE_ARCHITECTURES`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def make_stage(model: nn.Module, is_first: bool, is_last: bool) -> PipelineInput
         inner.norm = StreamOut()
     if is_first:
         return None
+    if hasattr(inner, "embed_scale"):  # Gemma scales its embedding output: the stream arrives scaled
+        inner.embed_scale = 1.0
     hook = PipelineInput()
     inner.embed_tokens.register_forward_hook(hook)
     return hook

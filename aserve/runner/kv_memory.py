@@ -1,5 +1,5 @@
-"""Memory helpers of the runner: zero-page KV allocation, the memory-profiling step's inputs, and the
-swap copies between the device and CPU caches."""
+"""Memory helpers of the runner: zero-page KV allocation, the memory-profiling step, and the swap
+copies between the device and CPU caches."""
 
 from __future__ import annotations
 
@@ -101,3 +101,33 @@ def profile_num_blocks(run_profile_step: Callable[[], None], device: torch.devic
             f"profile step, {gpu_memory_utilization} of the card allowed): raise --gpu-memory-utilization, stop "
             "what else holds the GPU, or lower --max-num-batched-tokens / --max-model-len")
     return int(budget // per_block)
+
+
+def run_profile_step(runner) -> None:
+    """`runner` (a ModelRunner) runs the largest step the scheduler can emit once: `max_num_batched_tokens`
+    prompt tokens (at most `max_num_seqs` prompts of at most `max_model_len`), through a scratch KV
+    cache, plus the LM head over one row per sequence (k + 1 with speculation; a draft model's own
+    activations are not profiled; a pipeline stage before the last has no LM head to run and takes
+    zeros as its stream). Before `initialize_kv_cache` the scratch cache stays bound until the real
+    one replaces it."""
+    sched = runner.config.scheduler
+    max_len = runner.config.model.max_model_len
+    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
+    dummy, num_blocks = ModelInputsForProfile.make(num_tokens, max_len, runner.block_size, runner.device)
+    a = runner.arch
+    scratch = [torch.zeros((2, num_blocks, runner.block_size, a.num_key_value_heads, a.head_dim),
+                           dtype=runner._kv_dtype(), device=runner.device) for _ in range(a.num_hidden_layers)]
+    with torch.inference_mode():
+        runner.model.bind_kv_caches(scratch)
+        try:
+            if runner.stage is not None:
+                runner.stage.feed_dummy(num_tokens)
+            hidden = runner.model(dummy.input_ids, dummy.positions, dummy.meta)
+            last_stage = runner.stage is None or runner.stage.is_last
+            if runner.model.lm_head is not None and last_stage:  # (a decoder embedder has none)
+                spec = runner.config.speculative  # verification: k + 1 logits rows per sequence
+                rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+                runner.model.compute_logits(hidden[-min(num_tokens, rows):])
+        finally:
+            if runner.kv_caches:  # already initialized: put the real cache back
+                runner.model.bind_kv_caches(runner.kv_caches)

@@ -23,11 +23,12 @@ from collections.abc import Callable
 import torch
 
 from aserve.config import AserveConfig, GiB
-from aserve.config.parallel import rank_arch_config
+from aserve.config.parallel import rank_arch_config, stage_arch_config
 from aserve.core.batch import CachedRequestData, NewRequestData, RunnerInfo, RunnerOutput, SchedulerOutput
 from aserve.distributed.collectives import all_reduce_min
 from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.lora import LoRAAdapterError, LoRARequest
+from aserve.model.attention import make_attention_backend
 from aserve.model.forward_context import ForwardContext, set_forward_context
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.model.weight_offload import offload_weights
@@ -35,26 +36,17 @@ from aserve.runner.compiled_decode import CompiledDecode
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.graph_capture import capture_decode
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
-from aserve.runner.kv_memory import ModelInputsForProfile, copy_blocks, profile_num_blocks, zeroed
+from aserve.runner.kv_memory import copy_blocks, profile_num_blocks, run_profile_step, zeroed
 from aserve.runner.sampling import Sampler, compute_prompt_logprobs
 from aserve.runner.kv_scales_step import KVScaleCalculation
 from aserve.runner.multi_step import run_later_decode_steps
+from aserve.runner.pipeline_stage import PipelineStage, unsampled
 from aserve.runner.sleep_mode import RunnerSleep
 from aserve.runner.spec_decode import make_proposer, make_typical_acceptance
 from aserve.runner.step_sampling import StepSamples, StepSampler
 from aserve.runner.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-
-def make_attention_backend(name: str):
-    if name == "triton":
-        from aserve.model.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    from aserve.model.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend()
 
 
 class ModelRunner:
@@ -68,11 +60,14 @@ class ModelRunner:
         self.device = torch.device(config.device.device)
         if self.device.type == "cuda" and parallel.device_index is not None:  # chosen by the rank's host
             self.device = torch.device("cuda", parallel.device_index)
-        elif self.device.type == "cuda" and (parallel.is_parallel or config.parallel.data_parallel_rank):
-            self.device = torch.device("cuda", config.parallel.data_parallel_rank * parallel.tp_size + parallel.tp_rank)
+        elif self.device.type == "cuda" and (parallel.world_size > 1 or config.parallel.data_parallel_rank):
+            self.device = torch.device("cuda", config.parallel.data_parallel_rank * parallel.world_size + parallel.rank)
         self.dtype = torch_dtype(config.model.dtype)
         self.block_size = config.cache.block_size
-        self.arch = rank_arch_config(config.model.arch, parallel.tp_size)  # this rank's heads and widths
+        # this rank's heads and widths, and its pipeline stage's layers
+        self.arch = stage_arch_config(rank_arch_config(config.model.arch, parallel.tp_size), parallel.pp_rank,
+                                      parallel.pp_size)
+        self.stage: PipelineStage | None = None  # with --pipeline-parallel-size > 1 (load_model)
         self.backend = make_attention_backend(config.runner.attention_backend)
         self.model = None
         self.lora = None  # RunnerLoRA with --enable-lora (after load_model)
@@ -96,6 +91,8 @@ class ModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model = load_model(self.config, self.backend, self.device, self.parallel)
+        if self.parallel.pp_size > 1:
+            self.stage = PipelineStage(self.model, self.parallel, self.arch.hidden_size, self.dtype, self.device)
         if self.config.cache.cpu_offload_bytes:  # --cpu-offload-gb (CUDA; refused elsewhere at start-up)
             offload_weights(self.model, self.arch.num_hidden_layers, self.config.cache.cpu_offload_bytes, self.device)
         self.kv_scale_calc.restore(self.model)  # reloaded (sleep level 2): the scales computed before
@@ -116,31 +113,6 @@ class ModelRunner:
         draft = self.proposer.kv_bytes_per_block() if self.proposer is not None else 0
         return a.num_hidden_layers * 2 * self.block_size * a.num_key_value_heads * a.head_dim * elem + draft
 
-    def run_profile_step(self) -> None:
-        """Run the largest step the scheduler can emit once: `max_num_batched_tokens` prompt tokens
-        (at most `max_num_seqs` prompts of at most `max_model_len`), through a scratch KV cache, plus
-        the LM head over one row per sequence (k + 1 with speculation; a draft model's own activations
-        are not profiled). Before `initialize_kv_cache` the scratch cache stays
-        bound until the real one replaces it."""
-        sched = self.config.scheduler
-        max_len = self.config.model.max_model_len
-        num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_len)
-        dummy, num_blocks = ModelInputsForProfile.make(num_tokens, max_len, self.block_size, self.device)
-        a = self.arch
-        scratch = [torch.zeros((2, num_blocks, self.block_size, a.num_key_value_heads, a.head_dim),
-                               dtype=self._kv_dtype(), device=self.device) for _ in range(a.num_hidden_layers)]
-        with torch.inference_mode():
-            self.model.bind_kv_caches(scratch)
-            try:
-                hidden = self.model(dummy.input_ids, dummy.positions, dummy.meta)
-                if self.model.lm_head is not None:  # (a decoder embedder has none)
-                    spec = self.config.speculative  # verification: k + 1 logits rows per sequence
-                    rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-                    self.model.compute_logits(hidden[-min(num_tokens, rows):])
-            finally:
-                if self.kv_caches:  # already initialized: put the real cache back
-                    self.model.bind_kv_caches(self.kv_caches)
-
     def initialize_kv_cache(self) -> RunnerInfo:
         per_block = self.kv_bytes_per_block()
         cache = self.config.cache
@@ -149,7 +121,7 @@ class ModelRunner:
         elif cache.kv_cache_memory_bytes is not None:  # --kv-cache-memory-bytes: no profiling, no fraction
             num_blocks = cache.kv_cache_memory_bytes // per_block
         elif self.device.type == "cuda":
-            num_blocks = profile_num_blocks(self.run_profile_step, self.device, cache.gpu_memory_utilization, per_block)
+            num_blocks = profile_num_blocks(lambda: run_profile_step(self), self.device, cache.gpu_memory_utilization, per_block)
         else:
             num_blocks = int(cache.cpu_kvcache_space_gb * GiB // per_block)
         num_blocks = max(num_blocks, 2)  # block 0 is the reserved null block
@@ -202,11 +174,16 @@ class ModelRunner:
         capture_decode(self)
 
     # -- per step ----------------------------------------------------------------------------------
-    def _add_request(self, new: NewRequestData) -> None:
+    def _add_request(self, new: NewRequestData, sampling: bool = True) -> None:
         """Builds the request's state; raises, leaving no state behind, if its sampling state cannot be
-        built."""
+        built. Without `sampling` (a pipeline stage before the last) only what the forward needs."""
         token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
         num_prompt = len(new.prompt_token_ids)
+        if not sampling:
+            self.states[new.req_id] = CachedRequestState(
+                req_id=new.req_id, token_ids=token_ids, num_prompt_tokens=num_prompt, params=new.sampling_params,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens, sampling=None)
+            return
         guided = None
         if new.sampling_params.guided_decoding is not None:
             guided = self.structured.add(new.req_id, new.sampling_params.guided_decoding, new.output_token_ids,
@@ -229,7 +206,7 @@ class ModelRunner:
         self.structured.remove(req_id)
         if self.lora is not None:
             self.lora.remove_request(req_id)
-        if state is not None:
+        if state is not None and state.sampling is not None:
             self.sampler.states.remove(state.sampling)
 
     def forget_requests(self) -> None:
@@ -258,6 +235,9 @@ class ModelRunner:
         state = self.states[cached.req_id]
         state.block_ids.extend(cached.new_block_ids)
         state.num_computed_tokens = cached.num_computed_tokens
+        if cached.new_token_ids:  # pipeline parallel: the step's input tokens (sampled on the last stage)
+            start = cached.num_computed_tokens
+            state.token_ids[start:start + len(cached.new_token_ids)] = cached.new_token_ids
 
     def _apply_block_ops(self, so: SchedulerOutput) -> None:
         device_caches, cpu_caches = self.kv_caches, self.cpu_kv_caches
@@ -297,10 +277,20 @@ class ModelRunner:
         with set_forward_context(context):
             return self.model(inputs.input_ids, inputs.positions, meta)
 
+    def _run_stage(self, inputs: ModelInputs) -> RunnerOutput:
+        """A pipeline stage before the last: its layers, then the stream to the next stage; nothing sampled."""
+        hidden, _ = self.timed_forward(inputs)
+        self.stage.send(hidden)
+        for req_id, num in zip(inputs.req_ids, inputs.num_scheduled):
+            self.states[req_id].num_computed_tokens += num
+        return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+
     def timed_forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, float]:
         """The step's forward pass (with its LoRA context) and its seconds: measured only with detailed
         traces (--collect-detailed-traces model|all; on CUDA the kernels' time, not the launches'), else 0."""
         timed = self.config.observability.collect_model_forward_time
+        if self.stage is not None:  # the previous stage's stream (before the clock starts: not this stage's work)
+            self.stage.receive(inputs.input_ids.shape[0])
         start = time.perf_counter() if timed else 0.0
         hidden = self._forward(inputs, self.lora.forward_context(inputs) if self.lora is not None else None)
         if timed and hidden.is_cuda:
@@ -325,23 +315,32 @@ class ModelRunner:
             self._remove_request(req_id)
         self._apply_block_ops(so)
         failed: dict[str, str] = {}
+        samples_here = self.stage is None or self.stage.is_last
         for new in so.new_requests:
             try:
-                self._add_request(new)
+                self._add_request(new, sampling=samples_here)
             except Exception as e:  # noqa: BLE001 - belongs to this request alone
                 failed[new.req_id] = f"could not set up sampling for this request: {type(e).__name__}: {e}"
+                if self.stage is not None:  # its rows still run: every stage packs the same token rows
+                    self._add_request(new, sampling=False)
         for cached in so.cached_requests:
             self._update_request(cached)
         if self.lora is not None:  # requests whose adapter cannot be loaded fail alone
             for req_id, message in self.lora.load_missing(so.scheduled_req_ids).items():
                 failed[req_id] = message
                 self._remove_request(req_id)
-        scheduled = [(r, n) for r, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens) if r not in failed]
+        scheduled = [(r, n) for r, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens)
+                     if r not in failed or self.stage is not None]
         if not scheduled:
             return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 
         spec = so.scheduled_spec_token_ids
         inputs = self.prepare([r for r, _ in scheduled], [n for _, n in scheduled], spec)
+        if self.stage is not None:
+            if not self.stage.is_last:
+                return self._run_stage(inputs)
+            if failed:  # their rows were computed; they neither sample nor score their prompt
+                inputs = unsampled(inputs, failed)
         fill = self.structured.start_fill(inputs.sample_req_ids)  # overlaps the forward pass
         hidden, forward_time = self.timed_forward(inputs)
         if self.proposer is not None:
@@ -363,6 +362,9 @@ class ModelRunner:
             state = self.states.get(req_id)
             if state is not None:
                 state.num_computed_tokens += num - samples.num_rejected.get(req_id, 0)
+        if self.stage is not None:
+            for req_id in failed:
+                self._remove_request(req_id)
         if so.decode_steps:
             return run_later_decode_steps(self, so.decode_steps, inputs, samples, failed, forward_time, on_progress)
         drafts = {}

@@ -110,6 +110,6 @@ def test_a_start_up_error_on_the_ranks_fails_the_start_up(tiny_llama, tmp_path):
     args = EngineArgs(model=str(folder), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
                       cpu_kvcache_space=0.01, tensor_parallel_size=2)
     executor = ProcessExecutor(args.create_config())
-    with pytest.raises(ExecutorDeadError, match=r"(?s)tensor-parallel rank \d.*checkpoint is missing"):
+    with pytest.raises(ExecutorDeadError, match=r"(?s)model worker \(rank \d\).*checkpoint is missing"):
         executor.start()
     executor.shutdown()

@@ -19,6 +19,7 @@ from aserve.config import EngineArgs
 from aserve.engine.llm_engine import LLMEngine
 from aserve.executor.thread import ThreadExecutor
 from aserve.runner.cuda_graphs import CudaGraphRunner, _Graph
+from aserve.runner.kv_memory import run_profile_step
 from aserve.runner.model_runner import ModelInputsForProfile
 from tests.support.tiny_models import hf_greedy
 
@@ -97,7 +98,7 @@ def test_profile_step_runs_and_keeps_the_bound_cache(tiny_llama):
     llm = _llm(tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_batched_tokens=160,
               max_num_seqs=4, cpu_kvcache_space=0.01, block_size=8)
     runner = _runner(llm)
-    runner.run_profile_step()  # 160 tokens as prompts of 64, 64 and 32
+    run_profile_step(runner)  # 160 tokens as prompts of 64, 64 and 32
     assert all(layer.kv_cache is cache for layer, cache in zip(runner.model.attention_layers, runner.kv_caches))
     prompts = [PROMPTS[0], PROMPTS[2]]
     assert _generate(llm, prompts, 4) == hf_greedy(tiny_llama, prompts, 4, ignore_eos=True)

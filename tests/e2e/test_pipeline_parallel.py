@@ -1,0 +1,143 @@
+"""Pipeline parallelism end to end (`--pipeline-parallel-size 2` over the `mp` executor: one worker
+process per stage, the residual stream sent between them over gloo, two steps in flight): greedy tokens
+identical to one rank and to Hugging Face transformers (fp32, tiny random weights) through
+`LLM.generate`, under chunked prefill and preemption, for Llama, Qwen2 (biases), Qwen2-MoE (a dense
+layer among MoE ones) and Gemma 2 (a scaled embedding, sliding windows); tensor x pipeline parallel
+(2 x 2 = 4 ranks, stages of uneven depth); the async engine serving concurrent requests with both steps
+in flight; and a later stage's rank killed mid-stream failing the engine at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import pytest
+
+from aserve.config import EngineArgs
+from aserve.engine.async_engine import AsyncEngine, EngineDeadError
+from aserve.executor.base import ExecutorDeadError, make_executor
+from aserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
+from tests.e2e.test_tensor_parallel import CHUNKED_AND_PREEMPTED, MAX_NEW
+from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
+
+FAMILIES = {
+    "llama": ("llama", {"num_hidden_layers": 3}),  # stages of 2 and 1 layers
+    "qwen2": ("qwen2", {}),
+    "qwen2-moe": ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request, tmp_path_factory):
+    """(folder, HF's greedy tokens, one rank's greedy tokens)."""
+    name, overrides = FAMILIES[request.param]
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_tiny_hf(path, name, seed=1234, perturb=True, **{**GREEDY_STABLE, **overrides})
+    one_rank = _generate(_llm(path, **CHUNKED_AND_PREEMPTED), PROMPTS)
+    return path, hf_greedy(path, PROMPTS, MAX_NEW, ignore_eos=True), one_rank
+
+
+@pytest.mark.timeout(180)
+def test_two_stages_match_one_rank_and_hf(model, stat_totals):
+    path, reference, one_rank = model
+    llm = _llm(path, pipeline_parallel_size=2, **CHUNKED_AND_PREEMPTED)
+    try:
+        config = llm.engine.config
+        assert config.parallel.distributed_executor_backend == "mp"
+        assert config.scheduler.max_steps_in_flight == 2
+        totals = stat_totals(llm)
+        got = _generate(llm, PROMPTS)
+        assert got == one_rank
+        assert got == reference
+        assert totals.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_tensor_times_pipeline_parallel_matches_one_rank(tmp_path):
+    save_tiny_hf(tmp_path, "llama", seed=1234, perturb=True, **{**GREEDY_STABLE, "num_hidden_layers": 3})
+    reference = hf_greedy(str(tmp_path), PROMPTS, MAX_NEW, ignore_eos=True)
+    llm = _llm(str(tmp_path), tensor_parallel_size=2, pipeline_parallel_size=2, **CHUNKED_AND_PREEMPTED)
+    try:
+        assert len(llm.engine.core._executor.pids) == 4
+        assert _generate(llm, PROMPTS) == reference
+    finally:
+        llm.engine.shutdown()
+
+
+def _async_engine(path: str, executors: list | None = None, **kwargs) -> AsyncEngine:
+    def factory(config):
+        executor = make_executor(config)
+        if executors is not None:
+            executors.append(executor)
+        return executor
+
+    args = EngineArgs(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                      cpu_kvcache_space=0.02, pipeline_parallel_size=2, **kwargs)
+    return AsyncEngine.from_engine_args(args, executor_factory=factory)
+
+
+@pytest.mark.timeout(120)
+def test_the_async_engine_serves_concurrent_requests_with_two_steps_in_flight(tiny_llama):
+    reference = hf_greedy(tiny_llama, PROMPTS, MAX_NEW, ignore_eos=True)
+
+    async def main():
+        engine = _async_engine(tiny_llama, max_num_seqs=2)  # two at a time: each in its own step
+        submitted: list = []
+        submit = engine.engine.core.submit
+
+        def counting_submit(so):
+            submitted.append(len(engine.engine.core.scheduler._in_flight))
+            submit(so)
+
+        engine.engine.core.submit = counting_submit
+        got: dict[int, list[int]] = {}
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+
+        async def one(i: int) -> None:
+            async for out in engine.add_request(f"r{i}", None, PROMPTS[i], params):
+                got.setdefault(i, []).extend(out.outputs[0].token_ids)
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            async with anyio.create_task_group() as requests:
+                for i in range(len(PROMPTS)):
+                    requests.start_soon(one, i)
+            engine.shutdown()
+        assert [got[i] for i in range(len(PROMPTS))] == reference
+        assert max(submitted) > 0  # a step was submitted while another one's requests were in flight
+        assert engine.engine.core.scheduler.kv_cache_manager.num_free_blocks == \
+            engine.engine.core.runner_info.num_blocks - 1
+
+    anyio.run(main)
+
+
+@pytest.mark.timeout(120)
+def test_a_later_stage_killed_mid_stream_fails_the_engine(tiny_llama):
+    async def main():
+        executors: list = []
+        engine = _async_engine(tiny_llama, executors)
+        first, last = executors[0].pids
+        with anyio.fail_after(60), pytest.RaisesGroup(ExecutorDeadError):
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.run)
+                params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, detokenize=False,
+                                        output_kind=RequestOutputKind.DELTA)
+                stream = engine.add_request("r", None, PROMPTS[0], params)
+                await stream.__anext__()
+                os.kill(last, signal.SIGKILL)
+                with pytest.raises(EngineDeadError):
+                    async for _ in stream:
+                        pass
+        assert isinstance(engine.dead_error, ExecutorDeadError) and "rank 1" in str(engine.dead_error)
+        assert not engine.is_healthy()
+        executors[0].shutdown()
+        with pytest.raises(ProcessLookupError):  # the first stage, left waiting to send, was stopped too
+            os.kill(first, 0)
+
+    anyio.run(main)
