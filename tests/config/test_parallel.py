@@ -1,6 +1,6 @@
 """Tensor parallelism at the config level (aserve/config/parallel.py and its callers): what
---tensor-parallel-size refuses at start-up and why, the executor it picks, each rank's ArchConfig, and
-the rest of scale-out refused by name."""
+--tensor-parallel-size refuses at start-up and why, the executor it picks, each rank's ArchConfig; pipeline parallelism's
+combinations not built, refused by name."""
 
 from __future__ import annotations
 
@@ -38,7 +38,19 @@ def test_vocab_sizes_need_not_split(write_model_dir):
 
 
 @pytest.mark.parametrize("kwargs, flag, message", [
-    (dict(pipeline_parallel_size=2), "--pipeline-parallel-size", "pipeline parallelism is not implemented"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend",
+     "needs 'mp' or 'ray'"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                        "prompt_lookup_max": 3}),
+     "--speculative-config", "speculative decoding is not implemented with --pipeline-parallel-size"),
+    (dict(pipeline_parallel_size=2, num_scheduler_steps=4), "--num-scheduler-steps", "multi-step decode"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), "--enable-lora", "LoRA adapters"),
+    (dict(pipeline_parallel_size=2, enable_sleep_mode=True), "--enable-sleep-mode", "sleep mode"),
+    (dict(pipeline_parallel_size=2, model_impl="transformers"), "--model-impl", "Transformers backend"),
+    (dict(pipeline_parallel_size=2, task="embed"), "--pipeline-parallel-size", "pooling models"),
+    (dict(pipeline_parallel_size=2, compilation_config={"level": 3, "compile_sizes": [1]}), "--compilation-config",
+     "--pipeline-parallel-size > 1"),
+    (dict(pipeline_parallel_size=8), "--pipeline-parallel-size", "8 stages need at least 8 layers"),
     (dict(data_parallel_size=2, enable_lora=True), "--data-parallel-size", "LoRA adapters are not supported"),
     (dict(data_parallel_size=2, enable_sleep_mode=True), "--data-parallel-size", "sleep mode is not supported"),
     (dict(data_parallel_size=2, data_parallel_rank=2), "--data-parallel-rank", "must be in \\[0, "),
@@ -53,6 +65,20 @@ def test_vocab_sizes_need_not_split(write_model_dir):
 def test_what_is_not_built_is_refused_by_name(model_dir, kwargs, flag, message):
     with pytest.raises(ConfigError, match=f"^{flag}: .*{message}"):
         EngineArgs(model=model_dir, device="cpu", **kwargs).create_config()
+
+
+def test_pipeline_parallel_resolves_to_ranks_stage_by_stage(model_dir):
+    cfg = EngineArgs(model=model_dir, tensor_parallel_size=2, pipeline_parallel_size=2).create_config()
+    assert cfg.parallel.distributed_executor_backend == "mp" and cfg.parallel.pipeline_parallel_size == 2
+    assert cfg.scheduler.max_steps_in_flight == 2  # one step per stage in flight
+    assert cfg.runner.enforce_eager
+    assert EngineArgs(model=model_dir).create_config().scheduler.max_steps_in_flight == 1
+
+
+@pytest.mark.parametrize("architecture", ["GPT2LMHeadModel", "OPTForCausalLM"])
+def test_architectures_without_stages_are_refused(write_model_dir, architecture):
+    with pytest.raises(ConfigError, match=f"^--pipeline-parallel-size: {architecture} is not split"):
+        EngineArgs(model=write_model_dir(architectures=[architecture]), pipeline_parallel_size=2).create_config()
 
 
 def test_each_rank_sees_its_share_of_heads_and_widths(write_model_dir):

@@ -1,6 +1,7 @@
 """`--distributed-executor-backend ray` on a local Ray cluster the test starts and stops (4 CPUs, no
 dashboard): tensor parallelism over two Ray actors gives one rank's greedy tokens (Llama with tied
-embeddings, Qwen2 with biases) under chunked prefill and preemption; an actor killed mid-run is
+embeddings, Qwen2 with biases) under chunked prefill and preemption, and so do two pipeline stages
+(two steps in flight through `submit` / `collect`); an actor killed mid-run is
 fatal at once; a placement group the cluster cannot satisfy fails the start-up; vLLM's default
 backend choice."""
 
@@ -30,11 +31,12 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_two_ray_ranks_match_one_rank(cluster, family, request, stat_totals):
+@pytest.mark.parametrize("family, split", [("llama", "tp"), ("qwen2", "tp"), ("llama", "pp")])
+def test_two_ray_ranks_match_one_rank(cluster, family, split, request, stat_totals):
     path = request.getfixturevalue(f"tiny_{family}")
     one_rank = _generate(_llm(path, **CHUNKED_AND_PREEMPTED), PROMPTS)
-    llm = _llm(path, tensor_parallel_size=2, distributed_executor_backend="ray", **CHUNKED_AND_PREEMPTED)
+    sizes = dict(tensor_parallel_size=2) if split == "tp" else dict(pipeline_parallel_size=2)
+    llm = _llm(path, **sizes, distributed_executor_backend="ray", **CHUNKED_AND_PREEMPTED)
     try:
         assert type(llm.engine.core._executor).__name__ == "RayExecutor"
         totals = stat_totals(llm)

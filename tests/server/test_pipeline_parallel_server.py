@@ -1,0 +1,79 @@
+"""`aserve --pipeline-parallel-size 2` as a server: concurrent completions (streamed and whole) get one
+rank's greedy tokens while two steps are in flight; /health is 200 and /metrics counts every token."""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import partial
+
+import anyio
+import anyio.from_thread
+import httpx
+import pytest
+
+from aserve.config import EngineArgs
+from aserve.engine.async_engine import AsyncEngine
+from aserve.server.launch import serve
+from tests.server.server_harness import quiet_args
+
+pytestmark = pytest.mark.timeout(300)
+PROMPTS = [list(range(40, 80)) + [i] for i in range(3)] + [[5, 6, 7, 8], list(range(300, 333))]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    args = EngineArgs(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                      cpu_kvcache_space=0.02, pipeline_parallel_size=2, max_num_seqs=2)
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        engine = portal.call(AsyncEngine.from_engine_args, args)
+        stop = portal.call(anyio.Event)
+        future, address = portal.start_task(partial(serve, engine, quiet_args(host="127.0.0.1", port=0),
+                                                    stop=stop, handle_signals=False))
+        try:
+            yield engine, address.url
+        finally:
+            portal.call(stop.set)
+            future.result(timeout=60)
+
+
+def test_concurrent_completions_equal_one_rank(server, tiny_llama):
+    from aserve import LLM, SamplingParams
+
+    engine, url = server
+    assert engine.config.scheduler.max_steps_in_flight == 2
+    llm = LLM(tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256, cpu_kvcache_space=0.02)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
+    got: dict[int, list[int]] = {}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def one(i):
+                body = {"model": tiny_llama, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
+                        "ignore_eos": True, "logprobs": 0, "stream": i % 2 == 1}
+                if not body["stream"]:
+                    r = await client.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+                else:
+                    tokens = []
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                tokens += json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+                got[i] = [int(t.split(":")[1]) for t in tokens]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(PROMPTS)):
+                    tg.start_soon(one, i)
+            assert (await client.get("/health")).status_code == 200
+            return (await client.get("/metrics")).text
+
+    metrics = anyio.run(main)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    match = re.search(r"vllm:generation_tokens_total\{[^}]*\} (\S+)", metrics)
+    assert match and float(match.group(1)) == MAX_TOKENS * len(PROMPTS)
