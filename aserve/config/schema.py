@@ -1,10 +1,8 @@
 """The resolved configuration: one frozen dataclass per concern, bundled in `AserveConfig`.
 
 Built only by `EngineArgs.create_config()` (aserve/config/resolve.py), which has already validated
-every value, so consumers trust these fields. Every field has a reader except `pipeline_parallel_size`
-(kept for the scale-out work); vLLM arguments that are accepted but not implemented are refused
-during validation and never reach these structs. What the
-runner learns at start-up (the KV block count) lives in `KVCacheInfo`, never written back here.
+every value, so consumers trust these fields. vLLM arguments that are accepted but not implemented
+are refused during validation and never reach these structs. What the runner learns at start-up (the KV block count) lives in `KVCacheInfo`, never written back here.
 """
 
 from __future__ import annotations

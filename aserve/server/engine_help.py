@@ -36,7 +36,8 @@ ENGINE_HELP = {
     "disable_log_stats": "no periodic stats log line",
     "tensor_parallel_size": "tensor-parallel degree: split each layer across this many worker processes "
                             "(one per rank, mp backend; gloo on CPU, NCCL on CUDA)",
-    "pipeline_parallel_size": "pipeline-parallel degree (only 1 is implemented)",
+    "pipeline_parallel_size": "pipeline-parallel degree: split the layers into this many stages, one worker per "
+                              "stage (x --tensor-parallel-size), one step per stage in flight",
     "data_parallel_size": "engine replicas behind one server, each with its own workers and KV cache; requests "
                           "go to the least loaded one, or to the one holding their prompt's prefix",
     "data_parallel_rank": "which replica this engine is (aserve sets it for each replica; on CUDA replica r uses "

@@ -107,7 +107,7 @@ SEED_ARGUMENTS: dict[str, dict] = {
     "--override-generation-config": {"seeds": "003", "status": "implemented", "test": "tests/config/test_loading_flags.py::test_override_generation_config_applies_over_generation_config_json"},
     "--override-neuron-config": {"seeds": "002 003", "status": "refused", "message": "AWS Neuron devices are not supported"},
     "--override-pooler-config": {"seeds": "003", "status": "implemented", "test": "tests/config/test_pooling_args.py::test_override_pooler_config_overrides_the_folder_files"},
-    "--pipeline-parallel-size": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/config/test_parallel.py::test_what_is_not_built_is_refused_by_name"},
+    "--pipeline-parallel-size": {"seeds": "000 001 002 003 004", "status": "implemented", "test": "tests/e2e/test_pipeline_parallel.py::test_two_stages_match_one_rank_and_hf"},
     "--port": {"seeds": "001 004", "status": "implemented", "test": "tests/server/test_cli.py::test_busy_port_fails_at_once_with_one_line"},
     "--preemption-mode": {"seeds": "001 002 003", "status": "implemented", "test": "tests/runner/test_cuda_paths.py::test_swap_preemption_on_cuda_matches_hf"},
     "--qlora-adapter-name-or-path": {"seeds": "001 003", "status": "refused", "message": "bitsandbytes 4-bit base"},

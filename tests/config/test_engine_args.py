@@ -38,7 +38,7 @@ NO_SUCH_MODEL = "/nonexistent/model-folder"
     (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "--distributed-executor-backend"),
     (dict(tensor_parallel_size=2, quantization="gguf"), "--quantization"),
-    (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
+    (dict(pipeline_parallel_size=2, num_scheduler_steps=2), "--num-scheduler-steps"),
     (dict(data_parallel_size=2, enable_lora=True), "--data-parallel-size"),
     (dict(cpu_offload_gb=-1), "--cpu-offload-gb"),
     (dict(quantization="gptq", load_format="bitsandbytes"), "--load-format"),  # it implies bitsandbytes
