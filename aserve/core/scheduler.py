@@ -16,7 +16,7 @@ With speculative decoding a decoding request also gets the drafts `core/spec_dec
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run); `update()`
 appends the sampled tokens and applies the stop rules. With pipeline parallelism several steps are in
 flight (`max_steps_in_flight`): a request in one is skipped by later ones and never preempted, until its
-`update`. The runner protocol: `aserve.core.batch`.
+`update`; each step takes at most its share of the running requests, so the micro-batches balance. The runner protocol: `aserve.core.batch`.
 """
 
 from __future__ import annotations
@@ -161,7 +161,10 @@ class Scheduler:
         # 1. Running requests, in order.
         i = 0
         in_flight = self._in_flight
-        while i < len(running) and budget > 0:
+        # pipelined: the running requests are shared among the steps in flight (micro-batches), so that
+        # every stage has work; a step takes at most its share
+        share = -(-len(running) // self.config.max_steps_in_flight) if self.pipelined else len(running)
+        while i < len(running) and budget > 0 and len(num_scheduled) < share:
             req = running[i]
             if req.request_id in in_flight:
                 i += 1

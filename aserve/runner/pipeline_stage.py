@@ -10,8 +10,9 @@ travels, so stages overlap when the engine keeps several steps in flight). Only 
 computes logits and samples; the others learn each step's input tokens from the scheduler
 (`CachedRequestData.new_token_ids`).
 
-Tensors travel as raw bytes (any dtype, gloo or NCCL), on the world group; send and receive pair up
-in step order because every rank runs the steps in the order the engine submitted them.
+The stream travels in float32 whatever the model's dtype (the residual stream is kept in float32 inside
+a bf16 model: `StreamOut` returns it so), as raw bytes on the world group; send and receive pair up in
+step order because every rank runs the steps in the order the engine submitted them.
 """
 
 from __future__ import annotations
@@ -31,21 +32,20 @@ from aserve.runner.input_batch import ModelInputs
 
 class PipelineStage:
     """Stage `parallel.pp_rank` of the loaded stage model `model` (turned into the stage here:
-    `model/pipeline.py` `make_stage`), whose stream is `[tokens, hidden_size]` in `dtype`."""
+    `model/pipeline.py` `make_stage`), whose stream is `[tokens, hidden_size]` float32."""
 
-    def __init__(self, model: nn.Module, parallel: ParallelContext, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, model: nn.Module, parallel: ParallelContext, hidden_size: int, device: torch.device):
         self.parallel = parallel
         self.is_first, self.is_last = parallel.is_first_stage, parallel.is_last_stage
         self.input = make_stage(model, self.is_first, self.is_last)
-        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.hidden_size, self.device = hidden_size, device
         self._sends: deque = deque()  # (work, tensor): sends in flight, oldest first
 
     def receive(self, num_tokens: int) -> None:
         """Before the forward of a step with `num_tokens` rows: the previous stage's stream (blocking)."""
         if self.input is None:
             return
-        stream = torch.empty((num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)
+        stream = torch.empty((num_tokens, self.hidden_size), dtype=torch.float32, device=self.device)
         if num_tokens:
             dist.recv(stream.view(torch.uint8), src=self.parallel.rank - self.parallel.tp_size,
                       group=self.parallel.world_group)
@@ -54,14 +54,14 @@ class PipelineStage:
     def feed_dummy(self, num_tokens: int) -> None:
         """A profile pass with no previous stage behind it: zeros as the stream."""
         if self.input is not None:
-            self.input.set_stream(torch.zeros((num_tokens, self.hidden_size), dtype=self.dtype, device=self.device))
+            self.input.set_stream(torch.zeros((num_tokens, self.hidden_size), dtype=torch.float32, device=self.device))
 
     def send(self, stream: torch.Tensor) -> None:
         """After the forward of a non-last stage: `stream` to the next stage, without waiting for it to
         arrive (at most `pp_size` sends stay in flight; the oldest is waited for beyond that)."""
         if not stream.shape[0]:
             return
-        data = stream.contiguous().view(torch.uint8)
+        data = stream.to(torch.float32).contiguous().view(torch.uint8)
         work = dist.isend(data, dst=self.parallel.rank + self.parallel.tp_size, group=self.parallel.world_group)
         self._sends.append((work, data))
         while len(self._sends) > self.parallel.pp_size:

@@ -82,6 +82,20 @@ def test_two_steps_in_flight_give_the_reference_outputs(num_blocks):
         assert scheduler.num_preemptions > 0
 
 
+def test_running_requests_are_shared_between_the_steps_in_flight():
+    scheduler = make_pipelined_scheduler(64)
+    for i in range(5):
+        scheduler.add_request(make_request(f"r{i}", 3, max_tokens=20))
+    runner = FirstStageFakeRunner(4)
+    admit = scheduler.schedule()  # all five prompts in one step
+    scheduler.update(admit, runner.execute(admit))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert len(first.scheduled_req_ids) == 3 and len(second.scheduled_req_ids) == 2
+    scheduler.update(first, runner.execute(first))
+    third = scheduler.schedule()  # the first micro-batch again, while the second is in flight
+    assert third.scheduled_req_ids == first.scheduled_req_ids
+
+
 def test_decode_steps_carry_the_sampled_token_and_prefill_chunks_do_not():
     scheduler = make_pipelined_scheduler(64, max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", 12, max_tokens=3))

@@ -2,7 +2,7 @@
 process per stage, the residual stream sent between them over gloo, two steps in flight): greedy tokens
 identical to one rank and to Hugging Face transformers (fp32, tiny random weights) through
 `LLM.generate`, under chunked prefill and preemption, for Llama, Qwen2 (biases), Qwen2-MoE (a dense
-layer among MoE ones) and Gemma 2 (a scaled embedding, sliding windows); tensor x pipeline parallel
+layer among MoE ones) and Gemma 2 (a scaled embedding, sliding windows), in bf16 too; tensor x pipeline parallel
 (2 x 2 = 4 ranks, stages of uneven depth); the async engine serving concurrent requests with both steps
 in flight; and a later stage's rank killed mid-stream failing the engine at once."""
 
@@ -53,6 +53,17 @@ def test_two_stages_match_one_rank_and_hf(model, stat_totals):
         assert got == one_rank
         assert got == reference
         assert totals.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_bf16_stages_match_one_rank(tiny_llama):
+    """In a bf16 model the residual stream stays float32: the stages hand it over as such."""
+    one_rank = _generate(_llm(tiny_llama, dtype="bfloat16", **CHUNKED_AND_PREEMPTED), PROMPTS)
+    llm = _llm(tiny_llama, dtype="bfloat16", pipeline_parallel_size=2, **CHUNKED_AND_PREEMPTED)
+    try:
+        assert _generate(llm, PROMPTS) == one_rank
     finally:
         llm.engine.shutdown()
 
