@@ -9,7 +9,8 @@ greedy tokens each, over the `mp` executor; output tokens per second of wall tim
 - TP=2 (two workers, half the cores each, shared-memory collectives),
 - PP=2 (two stages, half the cores each, two steps in flight: the running requests split into two
   micro-batches),
-- PP=2 with one step in flight (the same stages taking turns: what the overlap is worth).
+- PP=2 with one step in flight (the same micro-batches, the stages taking turns: what the overlap is
+  worth).
 
     python benchmarks/pp_throughput.py [--batch-sizes 1,16] [--dtype bfloat16]
 """
@@ -17,7 +18,6 @@ greedy tokens each, over the `mp` executor; output tokens per second of wall tim
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import tempfile
 import time
@@ -27,23 +27,15 @@ from tp_step import NUM_STEPS, PROMPT_LEN, SHAPE
 
 
 def throughput(folder: Path, batch: int, dtype: str, tp: int = 1, pp: int = 1, in_flight: int | None = None) -> float:
-    """Output tokens/s of `LLM.generate` for `batch` prompts (`in_flight`: override the steps in flight)."""
+    """Output tokens/s of `LLM.generate` for `batch` prompts (`in_flight`: override the steps the engine
+    keeps in flight; the scheduler still splits the running requests into `pp` micro-batches)."""
     from aserve import LLM, SamplingParams
-    from aserve.config import EngineArgs
 
-    create = EngineArgs.create_config
-    if in_flight is not None:  # the benchmark's knob only: the engine always keeps one step per stage
-        def create_config(self, *args, **kwargs):
-            config = create(self, *args, **kwargs)
-            return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
-                                                                             max_steps_in_flight=in_flight))
-        EngineArgs.create_config = create_config
-    try:
-        llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
-                  enable_prefix_caching=False, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                  distributed_executor_backend="mp", cpu_kvcache_space=1)
-    finally:
-        EngineArgs.create_config = create
+    llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype=dtype, max_model_len=256,
+              enable_prefix_caching=False, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              distributed_executor_backend="mp", cpu_kvcache_space=1)
+    if in_flight is not None:  # the benchmark's knob only: the engine keeps one step per stage in flight
+        llm.engine.core.max_steps_in_flight = in_flight
     params = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS, ignore_eos=True, detokenize=False)
     try:
         llm.generate([{"prompt_token_ids": list(range(3, 35))}], params, use_tqdm=False)  # warm-up

@@ -144,6 +144,8 @@ def check_transformers_args(args: EngineArgs) -> None:
     require(args.tensor_parallel_size == 1, "tensor_parallel_size", "not implemented with the Transformers "
             "backend (--model-impl transformers): transformers' own layers cannot be split across ranks; use an "
             "architecture aserve implements natively")
+    require(args.pipeline_parallel_size == 1, "pipeline_parallel_size", "not implemented with the Transformers "
+            "backend (--model-impl transformers): transformers' own model is not split into stages")
     require(not args.disable_sliding_window, "disable_sliding_window",
             "not implemented with the Transformers backend: each layer uses the window transformers passes")
     level = parse_compilation_config(args.compilation_config).get("level", 0)

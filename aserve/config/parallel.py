@@ -115,7 +115,6 @@ def check_pipeline_args(args: Any) -> None:
         ("enable_sleep_mode", args.enable_sleep_mode, "sleep mode"),
         ("cpu_offload_gb", args.cpu_offload_gb > 0, "weight offloading"),
         ("quantization", args.quantization == "gguf", "'gguf' (its blocks are read by the whole model's names)"),
-        ("model_impl", args.model_impl == "transformers", "the Transformers backend (its layers are not split)"),
     ]
     for flag, given, what in refused:
         require(not given, flag, f"{what} is not implemented with --pipeline-parallel-size > 1")

@@ -111,7 +111,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     backend = default_executor_backend(args.distributed_executor_backend, world_size, device, num_local_gpus)
     num_gpus_needed = args.data_parallel_size * world_size
     require(device != "cuda" or num_local_gpus is None or backend == "ray" or num_gpus_needed <= num_local_gpus,
-            "data_parallel_size" if args.data_parallel_size > 1 else "tensor_parallel_size",
+            "data_parallel_size" if args.data_parallel_size > 1 else
+            "pipeline_parallel_size" if args.pipeline_parallel_size > 1 else "tensor_parallel_size",
             f"{args.data_parallel_size} replica(s) x {world_size} rank(s) need {num_gpus_needed} "
             f"GPUs; this machine has {num_local_gpus} (--distributed-executor-backend ray spreads ranks over a cluster)")
     require(args.cpu_offload_gb == 0 or device == "cuda", "cpu_offload_gb",

@@ -93,7 +93,7 @@ class Scheduler:
     # -- intake and queries ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queues a new request (status WAITING). Raises ValueError on a duplicate id."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._in_flight:
             raise ValueError(f"request_id: {request.request_id!r} is already scheduled")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request

@@ -83,6 +83,7 @@ class EngineCore:
         self._last_execute_time = 0.0  # the latest execute_model call's seconds (detailed traces only)
         self.max_steps_in_flight = config.scheduler.max_steps_in_flight
         self._steps_in_flight: deque[SchedulerOutput] = deque()  # offline pipelined steps, oldest first
+        self._submit_times: deque[float] = deque()  # submitted steps' start times (detailed traces only)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,12 +153,17 @@ class EngineCore:
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Pipeline parallelism: starts the step without waiting (blocking only to hand it over)."""
+        if self._detailed_traces:
+            self._submit_times.append(time.perf_counter())
         self._executor.submit(scheduler_output)
 
     def collect(self) -> RunnerOutput:
         """Pipeline parallelism: the oldest submitted step's output (blocking); ExecutorDeadError as
-        `execute_model`."""
-        return self._executor.collect()
+        `execute_model`. Detailed traces count a step's execute time from its submission."""
+        output = self._executor.collect()
+        if self._detailed_traces:
+            self._last_execute_time = time.perf_counter() - self._submit_times.popleft()
+        return output
 
     def step(self) -> EngineCoreOutputs:
         if self.max_steps_in_flight == 1:

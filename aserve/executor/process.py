@@ -6,7 +6,9 @@ step's `SchedulerOutput` goes to every rank (they all run the same step; the las
 the same tokens from the gathered logits); the first rank of the last stage returns the `RunnerOutput`
 (`rank_worker.output_rank`), the others answer with an empty acknowledgement. `submit` / `collect`
 split a step so that several are in flight (pipeline parallelism): each worker's pipe keeps them in
-order, and `collect` returns the oldest step's output.
+order, and `collect` returns the oldest step's output. `submit` hands the message to a sender thread:
+written from the caller's thread, a large step could block on a worker that is itself blocked writing a
+large reply the caller has not read yet.
 
 Any worker's death (crash, OOM kill) or error, at start-up or in a step, is fatal: ExecutorDeadError,
 which the engine turns into failed requests and a failing /health, never a hang. While waiting for a
@@ -21,6 +23,8 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -103,6 +107,8 @@ class ProcessExecutor:
         self._conns: list = []
         self._procs: list = []
         self._dead: str | None = None
+        self._outbox: queue.Queue[bytes | None] | None = None  # submit's messages (sender thread)
+        self._sender: threading.Thread | None = None
 
     def start(self) -> RunnerInfo:
         """Start one worker per rank and wait for all of them; the output rank's RunnerInfo (the ranks
@@ -196,8 +202,25 @@ class ProcessExecutor:
         return _decode_ro.decode(self._recv_all(on_progress=on_progress if streamed else None))
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Starts a step without waiting for it (pipeline parallelism); `collect` returns its output."""
-        self._broadcast(_EXECUTE + _encoder.encode(scheduler_output))
+        """Starts a step without waiting for it (pipeline parallelism); `collect` returns its output.
+        Only `submit` / `collect` may be used once `submit` was called (the sender thread writes the pipes)."""
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+        if self._sender is None:
+            self._outbox = queue.Queue()
+            self._sender = threading.Thread(target=self._send_loop, name="aserve-step-sender", daemon=True)
+            self._sender.start()
+        self._outbox.put(_EXECUTE + _encoder.encode(scheduler_output))
+
+    def _send_loop(self) -> None:
+        """The sender thread: every rank gets each message in order; a broken pipe ends it (the worker's
+        death is reported by `collect`, which watches the processes)."""
+        while (body := self._outbox.get()) is not None:
+            try:
+                for conn in self._conns:
+                    conn.send_bytes(body)
+            except (OSError, ValueError):
+                return
 
     def collect(self) -> RunnerOutput:
         """The output of the oldest step `submit` started and no `collect` returned yet (blocking)."""
@@ -237,6 +260,10 @@ class ProcessExecutor:
         return [proc.pid for proc in self._procs]
 
     def shutdown(self) -> None:
+        if self._sender is not None:  # the steps already submitted go first
+            self._outbox.put(None)
+            self._sender.join(timeout=10)
+            self._sender = None
         for conn in self._conns:
             try:
                 conn.send_bytes(_SHUTDOWN)

@@ -92,7 +92,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(self.config, self.backend, self.device, self.parallel)
         if self.parallel.pp_size > 1:
-            self.stage = PipelineStage(self.model, self.parallel, self.arch.hidden_size, self.device)
+            self.stage = PipelineStage(self.model, self.parallel, self.arch.hidden_size, self.dtype, self.device)
         if self.config.cache.cpu_offload_bytes:  # --cpu-offload-gb (CUDA; refused elsewhere at start-up)
             offload_weights(self.model, self.arch.num_hidden_layers, self.config.cache.cpu_offload_bytes, self.device)
         self.kv_scale_calc.restore(self.model)  # reloaded (sleep level 2): the scales computed before

@@ -46,7 +46,7 @@ def test_vocab_sizes_need_not_split(write_model_dir):
     (dict(pipeline_parallel_size=2, num_scheduler_steps=4), "--num-scheduler-steps", "multi-step decode"),
     (dict(pipeline_parallel_size=2, enable_lora=True), "--enable-lora", "LoRA adapters"),
     (dict(pipeline_parallel_size=2, enable_sleep_mode=True), "--enable-sleep-mode", "sleep mode"),
-    (dict(pipeline_parallel_size=2, model_impl="transformers"), "--model-impl", "Transformers backend"),
+    (dict(pipeline_parallel_size=2, model_impl="transformers"), "--pipeline-parallel-size", "Transformers backend"),
     (dict(pipeline_parallel_size=2, task="embed"), "--pipeline-parallel-size", "pooling models"),
     (dict(pipeline_parallel_size=2, compilation_config={"level": 3, "compile_sizes": [1]}), "--compilation-config",
      "--pipeline-parallel-size > 1"),

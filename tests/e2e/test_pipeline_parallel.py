@@ -58,8 +58,12 @@ def test_two_stages_match_one_rank_and_hf(model, stat_totals):
 
 
 @pytest.mark.timeout(180)
-def test_bf16_stages_match_one_rank(tiny_llama):
-    """In a bf16 model the residual stream stays float32: the stages hand it over as such."""
+@pytest.mark.parametrize("forms", ["cpu kernels", "native"])
+def test_bf16_stages_match_one_rank(tiny_llama, forms, monkeypatch):
+    """In a bf16 model the CPU kernels keep the residual stream float32 and the native forms (as on
+    CUDA) round it to bf16: each stage hands the next the stream in the dtype it had."""
+    if forms == "native":
+        monkeypatch.setenv("ASERVE_FORCE_NATIVE_OPS", "1")
     one_rank = _generate(_llm(tiny_llama, dtype="bfloat16", **CHUNKED_AND_PREEMPTED), PROMPTS)
     llm = _llm(tiny_llama, dtype="bfloat16", pipeline_parallel_size=2, **CHUNKED_AND_PREEMPTED)
     try:
