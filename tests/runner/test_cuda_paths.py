@@ -19,8 +19,7 @@ from aserve.config import EngineArgs
 from aserve.engine.llm_engine import LLMEngine
 from aserve.executor.thread import ThreadExecutor
 from aserve.runner.cuda_graphs import CudaGraphRunner, _Graph
-from aserve.runner.kv_memory import run_profile_step
-from aserve.runner.model_runner import ModelInputsForProfile
+from aserve.runner.kv_memory import ModelInputsForProfile, run_profile_step
 from tests.support.tiny_models import hf_greedy
 
 _rng = random.Random(5)
