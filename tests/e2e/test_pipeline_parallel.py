@@ -8,18 +8,15 @@ in flight; and a later stage's rank killed mid-stream failing the engine at once
 
 from __future__ import annotations
 
-import os
-import signal
-
 import anyio
 import pytest
 
 from aserve.config import EngineArgs
-from aserve.engine.async_engine import AsyncEngine, EngineDeadError
-from aserve.executor.base import ExecutorDeadError, make_executor
+from aserve.engine.async_engine import AsyncEngine
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
 from tests.e2e.test_tensor_parallel import CHUNKED_AND_PREEMPTED, MAX_NEW
+from tests.support.dead_rank import check_killed_rank_fails_the_engine
 from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
 
 FAMILIES = {
@@ -84,24 +81,14 @@ def test_tensor_times_pipeline_parallel_matches_one_rank(tmp_path):
         llm.engine.shutdown()
 
 
-def _async_engine(path: str, executors: list | None = None, **kwargs) -> AsyncEngine:
-    def factory(config):
-        executor = make_executor(config)
-        if executors is not None:
-            executors.append(executor)
-        return executor
-
-    args = EngineArgs(model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
-                      cpu_kvcache_space=0.02, pipeline_parallel_size=2, **kwargs)
-    return AsyncEngine.from_engine_args(args, executor_factory=factory)
-
-
 @pytest.mark.timeout(120)
 def test_the_async_engine_serves_concurrent_requests_with_two_steps_in_flight(tiny_llama):
     reference = hf_greedy(tiny_llama, PROMPTS, MAX_NEW, ignore_eos=True)
 
     async def main():
-        engine = _async_engine(tiny_llama, max_num_seqs=2)  # two at a time: each in its own step
+        args = EngineArgs(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+                          cpu_kvcache_space=0.02, pipeline_parallel_size=2, max_num_seqs=2)
+        engine = AsyncEngine.from_engine_args(args)
         submitted: list = []
         submit = engine.engine.core.submit
 
@@ -134,25 +121,4 @@ def test_the_async_engine_serves_concurrent_requests_with_two_steps_in_flight(ti
 
 @pytest.mark.timeout(120)
 def test_a_later_stage_killed_mid_stream_fails_the_engine(tiny_llama):
-    async def main():
-        executors: list = []
-        engine = _async_engine(tiny_llama, executors)
-        first, last = executors[0].pids
-        with anyio.fail_after(60), pytest.RaisesGroup(ExecutorDeadError):
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, detokenize=False,
-                                        output_kind=RequestOutputKind.DELTA)
-                stream = engine.add_request("r", None, PROMPTS[0], params)
-                await stream.__anext__()
-                os.kill(last, signal.SIGKILL)
-                with pytest.raises(EngineDeadError):
-                    async for _ in stream:
-                        pass
-        assert isinstance(engine.dead_error, ExecutorDeadError) and "rank 1" in str(engine.dead_error)
-        assert not engine.is_healthy()
-        executors[0].shutdown()
-        with pytest.raises(ProcessLookupError):  # the first stage, left waiting to send, was stopped too
-            os.kill(first, 0)
-
-    anyio.run(main)
+    check_killed_rank_fails_the_engine(tiny_llama, PROMPTS[0], victim=1, pipeline_parallel_size=2)

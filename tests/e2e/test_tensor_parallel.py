@@ -9,19 +9,15 @@ a start-up error on the ranks fails the start-up with that error; neither hangs.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 
-import anyio
 import pytest
 
 from aserve.config import EngineArgs
-from aserve.engine.async_engine import AsyncEngine, EngineDeadError
-from aserve.executor.base import ExecutorDeadError, make_executor
+from aserve.executor.base import ExecutorDeadError
 from aserve.executor.process import ProcessExecutor
-from aserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
+from tests.support.dead_rank import check_killed_rank_fails_the_engine
 from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
 
 MAX_NEW = 12
@@ -69,35 +65,7 @@ def test_two_ranks_match_one_rank_and_hf(model, stat_totals):
 
 @pytest.mark.timeout(120)
 def test_a_rank_killed_mid_stream_fails_the_engine(tiny_llama):
-    async def main():
-        executors: list = []
-
-        def factory(config):
-            executors.append(make_executor(config))
-            return executors[-1]
-
-        args = EngineArgs(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
-                          cpu_kvcache_space=0.02, tensor_parallel_size=2)
-        engine = AsyncEngine.from_engine_args(args, executor_factory=factory)
-        rank0, rank1 = executors[0].pids
-        with anyio.fail_after(60), pytest.RaisesGroup(ExecutorDeadError):
-            async with anyio.create_task_group() as tg:
-                await tg.start(engine.run)
-                params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, detokenize=False,
-                                        output_kind=RequestOutputKind.DELTA)
-                stream = engine.add_request("r", None, PROMPTS[0], params)
-                await stream.__anext__()
-                os.kill(rank1, signal.SIGKILL)
-                with pytest.raises(EngineDeadError):
-                    async for _ in stream:
-                        pass
-        assert isinstance(engine.dead_error, ExecutorDeadError) and "rank 1" in str(engine.dead_error)
-        assert not engine.is_healthy()
-        executors[0].shutdown()
-        with pytest.raises(ProcessLookupError):  # rank 0, left blocked in a collective, was stopped too
-            os.kill(rank0, 0)
-
-    anyio.run(main)
+    check_killed_rank_fails_the_engine(tiny_llama, PROMPTS[0], victim=1, tensor_parallel_size=2)
 
 
 @pytest.mark.timeout(120)

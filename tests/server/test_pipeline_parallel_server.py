@@ -8,14 +8,12 @@ import re
 from functools import partial
 
 import anyio
-import anyio.from_thread
 import httpx
 import pytest
 
 from aserve.config import EngineArgs
 from aserve.engine.async_engine import AsyncEngine
-from aserve.server.launch import serve
-from tests.server.server_harness import quiet_args
+from tests.server.server_harness import running_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [list(range(40, 80)) + [i] for i in range(3)] + [[5, 6, 7, 8], list(range(300, 333))]
@@ -26,16 +24,8 @@ MAX_TOKENS = 8
 def server(tiny_llama):
     args = EngineArgs(model=tiny_llama, dtype="float32", skip_tokenizer_init=True, max_model_len=256,
                       cpu_kvcache_space=0.02, pipeline_parallel_size=2, max_num_seqs=2)
-    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
-        engine = portal.call(AsyncEngine.from_engine_args, args)
-        stop = portal.call(anyio.Event)
-        future, address = portal.start_task(partial(serve, engine, quiet_args(host="127.0.0.1", port=0),
-                                                    stop=stop, handle_signals=False))
-        try:
-            yield engine, address.url
-        finally:
-            portal.call(stop.set)
-            future.result(timeout=60)
+    with running_server(partial(AsyncEngine.from_engine_args, args)) as running:
+        yield running.engine, running.url
 
 
 def test_concurrent_completions_equal_one_rank(server, tiny_llama):
