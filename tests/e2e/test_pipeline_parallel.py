@@ -15,8 +15,13 @@ from aserve.config import EngineArgs
 from aserve.engine.async_engine import AsyncEngine
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
-from tests.e2e.test_tensor_parallel import CHUNKED_AND_PREEMPTED, MAX_NEW
-from tests.support.dead_rank import check_killed_rank_fails_the_engine
+from tests.support.multi_rank import (
+    CHUNKED_AND_PREEMPTED,
+    MAX_NEW,
+    check_killed_rank_fails_the_engine,
+    check_matches_one_rank,
+    family_model,
+)
 from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
 
 FAMILIES = {
@@ -31,27 +36,12 @@ FAMILIES = {
 def model(request, tmp_path_factory):
     """(folder, HF's greedy tokens, one rank's greedy tokens)."""
     name, overrides = FAMILIES[request.param]
-    path = str(tmp_path_factory.mktemp(request.param))
-    save_tiny_hf(path, name, seed=1234, perturb=True, **{**GREEDY_STABLE, **overrides})
-    one_rank = _generate(_llm(path, **CHUNKED_AND_PREEMPTED), PROMPTS)
-    return path, hf_greedy(path, PROMPTS, MAX_NEW, ignore_eos=True), one_rank
+    return family_model(str(tmp_path_factory.mktemp(request.param)), name, **overrides)
 
 
 @pytest.mark.timeout(180)
 def test_two_stages_match_one_rank_and_hf(model, stat_totals):
-    path, reference, one_rank = model
-    llm = _llm(path, pipeline_parallel_size=2, **CHUNKED_AND_PREEMPTED)
-    try:
-        config = llm.engine.config
-        assert config.parallel.distributed_executor_backend == "mp"
-        assert config.scheduler.max_steps_in_flight == 2
-        totals = stat_totals(llm)
-        got = _generate(llm, PROMPTS)
-        assert got == one_rank
-        assert got == reference
-        assert totals.num_preemptions > 0
-    finally:
-        llm.engine.shutdown()
+    check_matches_one_rank(model, stat_totals, pipeline_parallel_size=2)
 
 
 @pytest.mark.timeout(180)

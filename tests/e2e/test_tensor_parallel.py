@@ -16,15 +16,8 @@ import pytest
 from aserve.config import EngineArgs
 from aserve.executor.base import ExecutorDeadError
 from aserve.executor.process import ProcessExecutor
-from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
-from tests.support.dead_rank import check_killed_rank_fails_the_engine
-from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
-
-MAX_NEW = 12
-# A 16-token step budget chunks every prompt but the shortest; 17 usable blocks of 8 tokens cannot hold
-# the batch, so the scheduler preempts.
-CHUNKED_AND_PREEMPTED = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8,
-                             num_gpu_blocks_override=18, block_size=8)
+from tests.e2e.test_hf_equivalence import PROMPTS
+from tests.support.multi_rank import check_killed_rank_fails_the_engine, check_matches_one_rank, family_model
 
 FAMILIES = {
     "gemma2-one-kv-head": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 20,
@@ -39,28 +32,14 @@ FAMILIES = {
 def model(request, tmp_path_factory):
     """(folder, HF's greedy tokens, one rank's greedy tokens)."""
     if request.param in ("llama", "qwen2"):
-        path = request.getfixturevalue(f"tiny_{request.param}")
-    else:
-        name, overrides = FAMILIES[request.param]
-        path = str(tmp_path_factory.mktemp(request.param))
-        save_tiny_hf(path, name, seed=1234, perturb=True, **{**GREEDY_STABLE, **overrides})
-    one_rank = _generate(_llm(path, **CHUNKED_AND_PREEMPTED), PROMPTS)
-    return path, hf_greedy(path, PROMPTS, MAX_NEW, ignore_eos=True), one_rank
+        return family_model(request.getfixturevalue(f"tiny_{request.param}"))
+    name, overrides = FAMILIES[request.param]
+    return family_model(str(tmp_path_factory.mktemp(request.param)), name, **overrides)
 
 
 @pytest.mark.timeout(180)
 def test_two_ranks_match_one_rank_and_hf(model, stat_totals):
-    path, reference, one_rank = model
-    llm = _llm(path, tensor_parallel_size=2, **CHUNKED_AND_PREEMPTED)
-    try:
-        assert llm.engine.config.parallel.distributed_executor_backend == "mp"
-        totals = stat_totals(llm)
-        got = _generate(llm, PROMPTS)
-        assert got == one_rank
-        assert got == reference
-        assert totals.num_preemptions > 0
-    finally:
-        llm.engine.shutdown()
+    check_matches_one_rank(model, stat_totals, tensor_parallel_size=2)
 
 
 @pytest.mark.timeout(120)

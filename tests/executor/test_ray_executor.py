@@ -18,7 +18,7 @@ from aserve.executor import ray_executor
 from aserve.executor.base import ExecutorDeadError
 from aserve.sampling_params import SamplingParams
 from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
-from tests.e2e.test_tensor_parallel import CHUNKED_AND_PREEMPTED
+from tests.support.multi_rank import CHUNKED_AND_PREEMPTED
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(180)

@@ -5,6 +5,7 @@ real HTTP on 127.0.0.1. The engine is the real AsyncEngine over a fake model (te
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -178,3 +179,38 @@ def start_server_process(args: list[str], cwd: str | None = None,
             return proc, match.group(1), log
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(log))
+
+
+def concurrent_completion_tokens(url: str, model: str, prompts: list[list[int]], max_tokens: int,
+                                 stream_every_other: bool = False) -> tuple[list[list[int]], str]:
+    """Greedy `/v1/completions` of every token-id prompt at once (every other one streamed, with
+    `stream_every_other`): (each prompt's token ids, read from `logprobs`; the /metrics text after,
+    once /health answered 200)."""
+    got: dict[int, list[int]] = {}
+
+    async def main() -> str:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def one(i: int) -> None:
+                body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "logprobs": 0, "stream": stream_every_other and i % 2 == 1}
+                if not body["stream"]:
+                    r = await client.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+                else:
+                    tokens = []
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                tokens += json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+                got[i] = [int(t.split(":")[1]) for t in tokens]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+            assert (await client.get("/health")).status_code == 200
+            return (await client.get("/metrics")).text
+
+    metrics = anyio.run(main)
+    return [got[i] for i in range(len(prompts))], metrics

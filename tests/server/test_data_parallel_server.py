@@ -6,13 +6,11 @@ from __future__ import annotations
 import re
 from functools import partial
 
-import anyio
-import httpx
 import pytest
 
 from aserve.config import EngineArgs
 from aserve.engine.data_parallel import DataParallelEngine
-from tests.server.server_harness import running_server
+from tests.server.server_harness import concurrent_completion_tokens, running_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [list(range(40, 80)) + [i] for i in range(3)] + [[5, 6, 7, 8], list(range(300, 333))]
@@ -34,25 +32,8 @@ def test_concurrent_completions_equal_one_replica_and_metrics_name_each_replica(
     want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                                         use_tqdm=False)]
-    got: dict[int, list[int]] = {}
-
-    async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            async def one(i):
-                r = await client.post("/v1/completions", json={
-                    "model": tiny_llama, "prompt": PROMPTS[i], "max_tokens": 8, "temperature": 0,
-                    "ignore_eos": True, "logprobs": 0})
-                assert r.status_code == 200, r.text
-                got[i] = [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(PROMPTS)):
-                    tg.start_soon(one, i)
-            assert (await client.get("/health")).status_code == 200
-            return (await client.get("/metrics")).text
-
-    metrics = anyio.run(main)
-    assert [got[i] for i in range(len(PROMPTS))] == want
+    got, metrics = concurrent_completion_tokens(url, tiny_llama, PROMPTS, 8)
+    assert got == want
     served = {}
     for engine_label in ("0", "1"):
         match = re.search(r'vllm:generation_tokens_total\{[^}]*engine="' + engine_label + r'"[^}]*\} (\S+)', metrics)

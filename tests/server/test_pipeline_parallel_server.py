@@ -3,17 +3,14 @@ rank's greedy tokens while two steps are in flight; /health is 200 and /metrics 
 
 from __future__ import annotations
 
-import json
 import re
 from functools import partial
 
-import anyio
-import httpx
 import pytest
 
 from aserve.config import EngineArgs
 from aserve.engine.async_engine import AsyncEngine
-from tests.server.server_harness import running_server
+from tests.server.server_harness import concurrent_completion_tokens, running_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [list(range(40, 80)) + [i] for i in range(3)] + [[5, 6, 7, 8], list(range(300, 333))]
@@ -37,33 +34,7 @@ def test_concurrent_completions_equal_one_rank(server, tiny_llama):
     want = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)]
-    got: dict[int, list[int]] = {}
-
-    async def main():
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            async def one(i):
-                body = {"model": tiny_llama, "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
-                        "ignore_eos": True, "logprobs": 0, "stream": i % 2 == 1}
-                if not body["stream"]:
-                    r = await client.post("/v1/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
-                else:
-                    tokens = []
-                    async with client.stream("POST", "/v1/completions", json=body) as r:
-                        assert r.status_code == 200
-                        async for line in r.aiter_lines():
-                            if line.startswith("data: ") and line != "data: [DONE]":
-                                tokens += json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
-                got[i] = [int(t.split(":")[1]) for t in tokens]
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(PROMPTS)):
-                    tg.start_soon(one, i)
-            assert (await client.get("/health")).status_code == 200
-            return (await client.get("/metrics")).text
-
-    metrics = anyio.run(main)
-    assert [got[i] for i in range(len(PROMPTS))] == want
+    got, metrics = concurrent_completion_tokens(url, tiny_llama, PROMPTS, MAX_TOKENS, stream_every_other=True)
+    assert got == want
     match = re.search(r"vllm:generation_tokens_total\{[^}]*\} (\S+)", metrics)
     assert match and float(match.group(1)) == MAX_TOKENS * len(PROMPTS)

@@ -1,4 +1,6 @@
-"""A rank of a multi-rank engine killed mid-stream: the shared check that it fails the engine at once."""
+"""Shared checks of multi-rank engines (tensor and pipeline parallelism): greedy tokens equal to one rank
+and to transformers under chunked prefill and preemption, and a rank killed mid-stream failing the
+engine at once."""
 
 from __future__ import annotations
 
@@ -12,6 +14,39 @@ from aserve.config import EngineArgs
 from aserve.engine.async_engine import AsyncEngine, EngineDeadError
 from aserve.executor.base import ExecutorDeadError, make_executor
 from aserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
+from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
+
+MAX_NEW = 12
+# A 16-token step budget chunks every prompt but the shortest; 17 usable blocks of 8 tokens cannot hold
+# the batch, so the scheduler preempts.
+CHUNKED_AND_PREEMPTED = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8,
+                             num_gpu_blocks_override=18, block_size=8)
+
+
+def family_model(path: str, family: str | None = None, **overrides) -> tuple[str, list, list]:
+    """(folder, HF's greedy tokens, one rank's greedy tokens) for `path`, after saving a tiny random
+    `family` model there when given (GREEDY_STABLE weights plus `overrides`)."""
+    if family is not None:
+        save_tiny_hf(path, family, seed=1234, perturb=True, **{**GREEDY_STABLE, **overrides})
+    one_rank = _generate(_llm(path, **CHUNKED_AND_PREEMPTED), PROMPTS)
+    return path, hf_greedy(path, PROMPTS, MAX_NEW, ignore_eos=True), one_rank
+
+
+def check_matches_one_rank(model: tuple[str, list, list], stat_totals, **parallel) -> None:
+    """`LLM.generate` with `parallel` ranks (over `mp`) gives one rank's and transformers' tokens, with
+    preemptions on the way."""
+    path, reference, one_rank = model
+    llm = _llm(path, **parallel, **CHUNKED_AND_PREEMPTED)
+    try:
+        assert llm.engine.config.parallel.distributed_executor_backend == "mp"
+        totals = stat_totals(llm)
+        got = _generate(llm, PROMPTS)
+        assert got == one_rank
+        assert got == reference
+        assert totals.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
 
 
 def check_killed_rank_fails_the_engine(model: str, prompt: list[int], victim: int, **parallel) -> None:
