@@ -4,7 +4,8 @@ Each op of a decode layer that is not a matmul (residual add + RMSNorm, rotary, 
 decode attention that reads the KV blocks in place) is one C call instead of 5-20 torch ops (a bf16
 step at batch 1 was mostly per-op overhead: 11.9 of 30 ms on 2 vCPUs), and the matrix products
 (bf16 weights packed in K-pairs, group-wise 4-bit weights) run on the CPU's bf16 dot-product
-instructions. Sources: `cpu_ops.c` (small ops) and `cpu_matmul.c` (matrix products), sharing
+instructions. Sources: `cpu_ops.c` (small ops), `cpu_matmul.c` (matrix products) and
+`cpu_decode_step.c` (a decode step's layers in one call, `aserve/runner/cpu_decode_step.py`), sharing
 `cpu_common.h`, next to this file; compiled with the system C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`) into `$ASERVE_CACHE_DIR/kernels` (default `~/.cache/aserve/kernels`), keyed by source,
 compiler, flags and CPU, so later starts only load it (~1 s the first time).
@@ -31,7 +32,7 @@ from aserve.kernels.c_build import log_once as _log_once
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c")  # both include cpu_common.h
+_SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c", _HERE / "cpu_decode_step.c")  # all include cpu_common.h
 _HEADER = _HERE / "cpu_common.h"
 
 _BF16 = torch.bfloat16
@@ -103,6 +104,8 @@ class CpuKernels:
         self._linear_vnni.restype = ctypes.c_int64
         self._linear_int4 = library.linear_int4_bf16
         self._linear_int4.restype = ctypes.c_int64
+        self.decode_layers = library.decode_layers_bf16  # typed by its caller (aserve/runner/cpu_decode_step.py)
+        self.decode_layers.restype = ctypes.c_int64
         library.has_native_bf16_dot.restype = ctypes.c_int64
         # Whether `linear` runs on the CPU's bf16 dot-product instructions (else fp32 FMAs, slower than oneDNN).
         self.native_bf16_dot = bool(library.has_native_bf16_dot())

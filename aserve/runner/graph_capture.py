@@ -1,12 +1,15 @@
-"""The runner's decode capture at start-up and after a wake-up: CUDA graphs for the decode batch sizes,
-or on CPU with -O3 the inductor-compiled decode forward."""
+"""The runner's decode capture at start-up and after a wake-up: CUDA graphs for the decode batch sizes;
+on CPU with -O3 the inductor-compiled decode forward, else the decode layers in one native call
+(`runner/cpu_decode_step.py`) where the model qualifies."""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from aserve.runner.compiled_decode import CompiledDecode
+from aserve.runner.cpu_decode_step import CpuDecodeStep
 from aserve.runner.cuda_graphs import CudaGraphRunner
 
 if TYPE_CHECKING:
@@ -32,6 +35,9 @@ def capture_decode(runner: ModelRunner) -> None:
         seconds = runner.compiled_decode.warm_up()
         logger.info("Compiled the CPU decode forward (inductor) for batch sizes %s in %.1fs", list(sizes), seconds)
         return
+    if runner.device.type == "cpu":
+        runner.cpu_step = native_decode_step(runner)
+        return
     if runner.device.type != "cuda" or runner.config.runner.enforce_eager:
         return
     if runner.backend.name not in _GRAPH_CAPTURABLE_BACKENDS:
@@ -45,3 +51,15 @@ def capture_decode(runner: ModelRunner) -> None:
         runner.lora.graph_capture_context if runner.lora is not None else None)
     seconds = runner.graph_runner.capture()
     logger.info("Captured CUDA graphs for decode batch sizes %s in %.1fs", runner.static_sizes, seconds)
+
+
+def native_decode_step(runner: ModelRunner) -> CpuDecodeStep | None:
+    """The decode layers in one C call, for a bf16 model served by one rank without LoRA, unless
+    ASERVE_CPU_DECODE_STEP=0 (the layer-by-layer forward: the reference)."""
+    if (os.environ.get("ASERVE_CPU_DECODE_STEP", "1") == "0" or runner.model is None or runner.lora is not None
+            or runner.parallel.world_size > 1 or runner.config.model.dtype != "bfloat16"
+            or getattr(runner.model, "lm_head", None) is None):
+        return None
+    from aserve.kernels import cpu_ops
+
+    return CpuDecodeStep.build(runner.model, cpu_ops.load(), runner.config.scheduler.max_num_seqs)

@@ -33,6 +33,7 @@ from aserve.model.forward_context import ForwardContext, set_forward_context
 from aserve.model.loader import kv_cache_dtype_for, load_model, torch_dtype
 from aserve.model.weight_offload import offload_weights
 from aserve.runner.compiled_decode import CompiledDecode
+from aserve.runner.cpu_decode_step import CpuDecodeStep
 from aserve.runner.cuda_graphs import CudaGraphRunner, capture_sizes, padded_size
 from aserve.runner.graph_capture import capture_decode
 from aserve.runner.input_batch import CachedRequestState, ModelInputs, build_model_inputs
@@ -80,6 +81,7 @@ class ModelRunner:
         self.proposer = None  # speculative decoding's draft proposer (load_model)
         self.graph_runner: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
+        self.cpu_step: CpuDecodeStep | None = None  # CPU: the decode layers in one C call (capture_graphs)
         self.force_static_decode = force_static_decode
         self.static_sizes = capture_sizes(config.scheduler.max_num_seqs)
         self.max_blocks_per_seq = math.ceil(config.model.max_model_len / self.block_size)
@@ -266,6 +268,8 @@ class ModelRunner:
         if (lora is None and self.compiled_decode is not None
                 and self.compiled_decode.can_run(meta, inputs.input_ids.shape[0])):
             return self.compiled_decode.run(inputs.input_ids, inputs.positions, meta)
+        if lora is None and self.cpu_step is not None and self.cpu_step.can_run(meta, inputs.input_ids.shape[0]):
+            return self.cpu_step.run(inputs.input_ids, inputs.positions, meta)
         g = self.graph_runner
         if (g is not None and meta.num_decodes == meta.num_seqs and meta.num_seqs in g.graphs
                 and g.can_run(meta.num_seqs, meta.max_seq_len, meta.block_tables.shape[1])):

@@ -48,7 +48,7 @@ class RunnerSleep:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         runner.forget_requests()
-        runner.compiled_decode = None  # both captured the cache tensors
+        runner.compiled_decode = runner.cpu_step = None  # all three hold the cache tensors
         runner.graph_runner = None
         if runner.model is not None and runner.kv_caches:
             runner.model.unbind_kv_caches()

@@ -1,0 +1,100 @@
+/* The decoder layers of a bf16 decode step in one call: for every layer, residual add + RMSNorm, the
+ * fused q|k|v projection, rotary, the new K/V written into the paged cache and decode attention, o_proj,
+ * residual add + RMSNorm, gate|up, SiLU-and-mul, down, with no Python between the ops. It calls the
+ * same kernels the layers call one by one (cpu_ops.c, cpu_matmul.c) in the same order with the same
+ * roundings, so its result is bitwise the layer-by-layer one. Built with them by cpu_ops.py; the
+ * caller (aserve/runner/cpu_decode_step.py) checks every shape and layout, this code trusts them. */
+#include "cpu_common.h"
+
+void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,
+                       int64_t residual_f32, const bf16 *weight, bf16 *out, float *sum_out, int64_t rows,
+                       int64_t n, float eps, float weight_offset);
+void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *cos_sin,
+                      bf16 *q_out, bf16 *k_out, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                      int64_t head_dim, int64_t half);
+void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n);
+void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
+                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                 const int64_t *slots, const bf16 *k_new, int64_t k_stride, const bf16 *v_new,
+                                 int64_t v_stride, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t block_size, int64_t window, float scale, float softcap);
+int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
+                         int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32);
+int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
+                         const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
+                         int64_t K, int64_t y_f32, int64_t gs);
+
+/* One weight: kind 0 = pack_vnni bf16 ([N/16, K/2, 16, 2]); kind 1 = pack_int4 codes with fp16 scale and
+ * offset ([N/16, K/gs, 16]). bias [N] bf16 or NULL. */
+typedef struct {
+    int64_t kind;
+    const void *weight;
+    const void *scale;
+    const void *offset;
+    const bf16 *bias;
+    int64_t n;
+    int64_t group_size;
+} decode_matmul;
+
+/* One decoder layer: its two norms' weights [H], four projections, its cache halves
+ * [num_blocks, block_size, KVH, D], its attention window (0: none) and score scale. */
+typedef struct {
+    const bf16 *input_norm;
+    const bf16 *post_norm;
+    decode_matmul qkv, o, gate_up, down;
+    bf16 *k_cache;
+    bf16 *v_cache;
+    int64_t window;
+    float scale;
+} decode_layer;
+
+static int64_t matmul(const decode_matmul *m, const bf16 *x, int64_t k, void *y, int64_t rows, int64_t y_f32) {
+    if (m->kind == 0) return linear_vnni_bf16(x, k, (const bf16 *)m->weight, m->bias, y, m->n, rows, m->n, k, y_f32);
+    return linear_int4_bf16(x, k, (const uint8_t *)m->weight, (const uint16_t *)m->scale, (const uint16_t *)m->offset,
+                            m->bias, y, m->n, rows, m->n, k, y_f32, m->group_size);
+}
+
+/* B decode rows through `num_layers` layers. embedded [B, H] bf16 (the embedding's output) -> hidden [B, H]
+ * fp32 (the last down_proj's unrounded output) and the residual stream [B, H] fp32 in residual[0] or
+ * residual[1] (the returned index; negative: a matmul's error code). cos_sin [B, 2 * rot_half] bf16 rows;
+ * block_tables [B, bt_stride] int32, seq_lens [B] int32 (after this token), slots [B] int64.
+ * Scratch: normed [B, H], qkv [B, (NH + 2 KVH) D], q_rot [B, NH, D], k_rot [B, KVH, D], attn [B, NH, D]
+ * (bf16); o_out [B, H], gate_up [B, 2 I] (fp32); act [B, I] (bf16). */
+int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const bf16 *embedded, float *hidden,
+                           float *residual0, float *residual1, const bf16 *cos_sin, int64_t rot_half,
+                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                           const int64_t *slots, int64_t B, int64_t H, int64_t NH, int64_t KVH, int64_t D,
+                           int64_t I, int64_t block_size, float eps, bf16 *normed, bf16 *qkv, bf16 *q_rot,
+                           bf16 *k_rot, bf16 *attn, float *o_out, float *gate_up, bf16 *act) {
+    float *residual[2] = {residual0, residual1};
+    int64_t cur = 0; /* residual[cur] holds the stream once the first layer's post-attention norm ran */
+    const int64_t qkv_width = (NH + 2 * KVH) * D;
+    int64_t status;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const decode_layer *L = layers + l;
+        if (l == 0) { /* the stream starts as the embedding (bf16); the norm takes it as x */
+            add_rms_norm_bf16(embedded, H, 0, NULL, 0, 0, L->input_norm, normed, NULL, B, H, eps, 0.0f);
+        } else {
+            add_rms_norm_bf16(hidden, H, 1, residual[cur], H, 1, L->input_norm, normed, residual[1 - cur], B, H,
+                              eps, 0.0f);
+            cur = 1 - cur;
+        }
+        if ((status = matmul(&L->qkv, normed, H, qkv, B, 0))) return status;
+        rotary_neox_bf16(qkv, qkv_width, qkv + NH * D, qkv_width, cos_sin, q_rot, k_rot, B, NH, KVH, D, rot_half);
+        paged_decode_attention_bf16(q_rot, attn, L->k_cache, L->v_cache, block_tables, bt_stride, seq_lens, slots,
+                                    k_rot, KVH * D, qkv + (NH + KVH) * D, qkv_width, B, NH, KVH, D, block_size,
+                                    L->window, L->scale, 0.0f);
+        if ((status = matmul(&L->o, attn, NH * D, o_out, B, 1))) return status;
+        if (l == 0) {
+            add_rms_norm_bf16(o_out, H, 1, embedded, H, 0, L->post_norm, normed, residual[cur], B, H, eps, 0.0f);
+        } else {
+            add_rms_norm_bf16(o_out, H, 1, residual[cur], H, 1, L->post_norm, normed, residual[1 - cur], B, H, eps,
+                              0.0f);
+            cur = 1 - cur;
+        }
+        if ((status = matmul(&L->gate_up, normed, H, gate_up, B, 1))) return status;
+        silu_and_mul_bf16(gate_up, 2 * I, 1, act, B, I);
+        if ((status = matmul(&L->down, act, I, hidden, B, 1))) return status;
+    }
+    return cur;
+}
