@@ -1,0 +1,72 @@
+"""The decode layers in one native call (runner/cpu_decode_step.py, kernels/cpu_decode_step.c): for every
+Llama-shaped family it serves, greedy tokens and their logprobs are bitwise those of the layer-by-layer
+forward (the reference, `ASERVE_CPU_DECODE_STEP=0`) in a bf16 model, with bf16 and 4-bit projections,
+biases, sliding windows and a partial rotary, over batches that grow and shrink; models it does not
+serve keep the layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.kernels import cpu_ops
+from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
+
+kernels = cpu_ops.load()
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.native_bf16_dot,
+                                reason="needs the C kernels with native bf16 dot products (AVX512-BF16)")
+
+PROMPTS = [[(7 * i + 3) % 500 + 3 for i in range(n)] for n in (5, 19, 33, 2, 41)]
+FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "mistral": ("mistral", {"sliding_window": 8}),  # prompts longer than the window
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),  # rotates half of each head
+}
+
+
+def _outputs(path: str, monkeypatch, native: bool, max_tokens: list[int], **kwargs) -> tuple[list, int]:
+    """(each request's (tokens, logprobs), native step calls): greedy, 3 logprobs per token; requests
+    end at different lengths, so the batch shrinks."""
+    monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1" if native else "0")
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.02,
+              block_size=8, **kwargs)
+    runner = llm.engine.core._executor.runner
+    calls = [0]
+    if native:
+        assert runner.cpu_step is not None
+        run = runner.cpu_step.run
+
+        def counted(*args):
+            calls[0] += 1
+            return run(*args)
+
+        runner.cpu_step.run = counted
+    else:
+        assert runner.cpu_step is None
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3, detokenize=False)
+              for n in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_one_call_equals_the_layers_bitwise(tmp_path, monkeypatch, family, quantization):
+    name, overrides = FAMILIES[family]
+    save_tiny_hf(tmp_path, name, seed=5, perturb=True, **{**GREEDY_STABLE, **overrides})
+    lengths = [12, 5, 9, 16, 3]
+    layers, _ = _outputs(str(tmp_path), monkeypatch, False, lengths, quantization=quantization)
+    native, calls = _outputs(str(tmp_path), monkeypatch, True, lengths, quantization=quantization)
+    assert native == layers
+    assert calls >= max(lengths) - 1  # every decode step went through the native call
+
+
+def test_models_it_does_not_serve_keep_the_layers(tmp_path, monkeypatch):
+    save_tiny_hf(tmp_path, "qwen3", seed=5, **GREEDY_STABLE)  # q/k norms
+    monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
+    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, cpu_kvcache_space=0.01)
+    assert llm.engine.core._executor.runner.cpu_step is None
+    fp32 = LLM(str(tmp_path.parent / tmp_path.name), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+               cpu_kvcache_space=0.01)
+    assert fp32.engine.core._executor.runner.cpu_step is None
