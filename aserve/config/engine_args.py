@@ -135,7 +135,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas behind one server (aserve/engine/data_parallel.py)
     data_parallel_rank: int = 0  # which replica this engine is (set per replica by the data-parallel engine)
-    disable_async_output_proc: bool = False
+    # None: off on CPU (as vLLM: output processing would take cores from the forward), on elsewhere
+    disable_async_output_proc: bool | None = None
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up (aserve/runner/sleep_mode.py)
     attention_backend: str | None = None
     quantization: str | None = None

@@ -242,7 +242,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             compile_backend=compilation.backend,
             max_seq_len_to_capture=args.max_seq_len_to_capture,
             attention_backend=args.attention_backend or ("triton" if device == "cuda" else "torch"),
-            disable_async_output_proc=args.disable_async_output_proc,
+            disable_async_output_proc=(device == "cpu" if args.disable_async_output_proc is None
+                                       else args.disable_async_output_proc),
             enable_sleep_mode=args.enable_sleep_mode,
         ),
         structured_outputs=args.resolved_structured_outputs(),

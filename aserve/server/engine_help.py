@@ -25,7 +25,8 @@ ENGINE_HELP = {
     "num_gpu_blocks_override": "use this many KV blocks instead of profiling",
     "distributed_executor_backend": "where the model runner lives: uni (a thread) or mp (a process per "
                                     "tensor-parallel rank; the default with -tp > 1); ray is not implemented",
-    "disable_async_output_proc": "do not overlap output processing with the next step",
+    "disable_async_output_proc": "do not overlap output processing with the next step (--no-disable-async-output-proc: "
+                                 "overlap it, also on CPU)",
     "enable_sleep_mode": "serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping: release the KV "
                          "cache (level 2: the weights too) while idle",
     "enforce_eager": "never capture CUDA graphs (the same as -O0)",
@@ -139,6 +140,7 @@ ENGINE_HELP = {
 }
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 ENGINE_DEFAULTS = {
+    "disable_async_output_proc": "on CPU, off elsewhere",
     "model": f"'', the bundled {BUNDLED_MODEL_NAME}",
     "tokenizer": "the --model",
     "max_model_len": "from the model's config.json",

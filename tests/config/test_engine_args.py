@@ -91,3 +91,13 @@ def test_unknown_argument():
 ])
 def test_implemented_quantizations_pass_validation(kwargs):
     EngineArgs(**kwargs).validate()
+
+
+def test_async_output_processing_is_off_on_cpu_unless_asked_for(model_dir):
+    """As vLLM: on CPU the output processing would take cores from the forward pass (README)."""
+    def disabled(**kwargs) -> bool:
+        return EngineArgs(model=model_dir, device="cpu", **kwargs).create_config().runner.disable_async_output_proc
+
+    assert disabled()
+    assert not disabled(disable_async_output_proc=False)
+    assert disabled(disable_async_output_proc=True)
