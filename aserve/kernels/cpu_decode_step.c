@@ -36,11 +36,14 @@ typedef struct {
     int64_t group_size;
 } decode_matmul;
 
-/* One decoder layer: its two norms' weights [H], four projections, its cache halves
- * [num_blocks, block_size, KVH, D], its attention window (0: none) and score scale. */
+/* One decoder layer: its two norms' weights [H], per-head q / k norms' weights [D] (NULL: none; Qwen3),
+ * four projections, its cache halves [num_blocks, block_size, KVH, D], its attention window (0: none)
+ * and score scale. */
 typedef struct {
     const bf16 *input_norm;
     const bf16 *post_norm;
+    const bf16 *q_norm;
+    const bf16 *k_norm;
     decode_matmul qkv, o, gate_up, down;
     bf16 *k_cache;
     bf16 *v_cache;
@@ -58,14 +61,15 @@ static int64_t matmul(const decode_matmul *m, const bf16 *x, int64_t k, void *y,
  * fp32 (the last down_proj's unrounded output) and the residual stream [B, H] fp32 in residual[0] or
  * residual[1] (the returned index; negative: a matmul's error code). cos_sin [B, 2 * rot_half] bf16 rows;
  * block_tables [B, bt_stride] int32, seq_lens [B] int32 (after this token), slots [B] int64.
- * Scratch: normed [B, H], qkv [B, (NH + 2 KVH) D], q_rot [B, NH, D], k_rot [B, KVH, D], attn [B, NH, D]
- * (bf16); o_out [B, H], gate_up [B, 2 I] (fp32); act [B, I] (bf16). */
+ * Scratch: normed [B, H], qkv [B, (NH + 2 KVH) D], q_rot and q_normed [B, NH, D], k_rot and k_normed
+ * [B, KVH, D], attn [B, NH, D] (bf16); o_out [B, H], gate_up [B, 2 I] (fp32); act [B, I] (bf16). */
 int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const bf16 *embedded, float *hidden,
                            float *residual0, float *residual1, const bf16 *cos_sin, int64_t rot_half,
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                            const int64_t *slots, int64_t B, int64_t H, int64_t NH, int64_t KVH, int64_t D,
                            int64_t I, int64_t block_size, float eps, bf16 *normed, bf16 *qkv, bf16 *q_rot,
-                           bf16 *k_rot, bf16 *attn, float *o_out, float *gate_up, bf16 *act) {
+                           bf16 *k_rot, bf16 *attn, float *o_out, float *gate_up, bf16 *act, bf16 *q_normed,
+                           bf16 *k_normed) {
     float *residual[2] = {residual0, residual1};
     int64_t cur = 0; /* residual[cur] holds the stream once the first layer's post-attention norm ran */
     const int64_t qkv_width = (NH + 2 * KVH) * D;
@@ -80,7 +84,18 @@ int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const
             cur = 1 - cur;
         }
         if ((status = matmul(&L->qkv, normed, H, qkv, B, 0))) return status;
-        rotary_neox_bf16(qkv, qkv_width, qkv + NH * D, qkv_width, cos_sin, q_rot, k_rot, B, NH, KVH, D, rot_half);
+        if (L->q_norm) { /* each head of q and k normalized over D, token by token (rows of D, stride D) */
+            for (int64_t b = 0; b < B; b++) {
+                add_rms_norm_bf16(qkv + b * qkv_width, D, 0, NULL, 0, 0, L->q_norm, q_normed + b * NH * D, NULL, NH,
+                                  D, eps, 0.0f);
+                add_rms_norm_bf16(qkv + b * qkv_width + NH * D, D, 0, NULL, 0, 0, L->k_norm, k_normed + b * KVH * D,
+                                  NULL, KVH, D, eps, 0.0f);
+            }
+            rotary_neox_bf16(q_normed, NH * D, k_normed, KVH * D, cos_sin, q_rot, k_rot, B, NH, KVH, D, rot_half);
+        } else {
+            rotary_neox_bf16(qkv, qkv_width, qkv + NH * D, qkv_width, cos_sin, q_rot, k_rot, B, NH, KVH, D,
+                             rot_half);
+        }
         paged_decode_attention_bf16(q_rot, attn, L->k_cache, L->v_cache, block_tables, bt_stride, seq_lens, slots,
                                     k_rot, KVH * D, qkv + (NH + KVH) * D, qkv_width, B, NH, KVH, D, block_size,
                                     L->window, L->scale, 0.0f);

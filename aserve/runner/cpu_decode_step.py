@@ -8,8 +8,8 @@ padding and no LoRA. The embedding, the final norm and everything after stay the
 runs the same kernels in the same order as the layer-by-layer forward, so its hidden states are bitwise
 the same: the layers remain the reference and the fallback.
 
-Qualifies: `LlamaModel` decoders (Llama, Mistral, Qwen2, Phi-3) with gated-SiLU dense MLPs, neox rotary
-with a bf16 table, no q/k norm, every projection packed for `linear_vnni` (bf16, AVX512-BF16) or for
+Qualifies: `LlamaModel` decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3) with gated-SiLU dense MLPs, neox
+rotary with a bf16 table, bf16 RMSNorms of one eps (per-head q/k norms included), every projection packed for `linear_vnni` (bf16, AVX512-BF16) or for
 `linear_int4` (int4 / GGUF Q4), float32 outputs where the layers have them, a bf16 KV cache with unit
 scales, one rank.
 """
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARGTYPES = (_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F,
-             _P, _P, _P, _P, _P, _P, _P, _P)
+             _P, _P, _P, _P, _P, _P, _P, _P, _P, _P)
 
 
 class _Matmul(ctypes.Structure):
@@ -38,7 +38,7 @@ class _Matmul(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Matmul), ("o", _Matmul), ("gate_up", _Matmul),
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Matmul), ("o", _Matmul), ("gate_up", _Matmul),
                 ("down", _Matmul), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("scale", _F)]
 
 
@@ -98,7 +98,9 @@ class CpuDecodeStep:
                          torch.empty(rows, self.num_kv_heads * self.head_dim, dtype=bf16),
                          torch.empty(rows, q_width, dtype=bf16), torch.empty(rows, h, dtype=f32),
                          torch.empty(rows, 2 * self.intermediate, dtype=f32),
-                         torch.empty(rows, self.intermediate, dtype=bf16)]
+                         torch.empty(rows, self.intermediate, dtype=bf16),
+                         torch.empty(rows, q_width, dtype=bf16),  # q and k normalized per head (Qwen3)
+                         torch.empty(rows, self.num_kv_heads * self.head_dim, dtype=bf16)]
         self._fn = kernels.decode_layers
         self._fn.argtypes = _ARGTYPES
 
@@ -129,9 +131,10 @@ class CpuDecodeStep:
             attn = layer.self_attn
             if type(layer.mlp) is not LlamaMLP or type(layer.mlp.act_fn) is not SiluAndMul:
                 raise NotEligible("an MLP is not a dense gated SiLU")
-            if attn.q_norm is not None or attn.rotary is not rotary:
-                raise NotEligible("attention normalizes q/k or has its own rotary")
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if attn.rotary is not rotary:
+                raise NotEligible("attention has its own rotary")
+            head_norms = (attn.q_norm, attn.k_norm) if attn.q_norm is not None else ()
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm, *head_norms):
                 if type(norm) is not RMSNorm or norm.weight.dtype != torch.bfloat16 or norm.eps != self.eps:
                     raise NotEligible("a norm is not a bf16 RMSNorm")
             cache, core = attn.attn.kv_cache, attn.attn
@@ -154,8 +157,10 @@ class CpuDecodeStep:
         if qkv.n != qkv_width or gate_up.n != 2 * self.intermediate:
             raise NotEligible("a fused projection's width differs from its parts")
         half = cache.stride(0) * cache.element_size()
+        q_norm, k_norm = ((attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if attn.q_norm is not None
+                          else (None, None))
         return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                      qkv, _matmul(attn.o_proj, q_width, True), gate_up,
+                      q_norm, k_norm, qkv, _matmul(attn.o_proj, q_width, True), gate_up,
                       _matmul(mlp.down_proj, self.intermediate, True), cache.data_ptr(), cache.data_ptr() + half,
                       attn.attn.sliding_window or 0, attn.attn.scale)
 

@@ -1,7 +1,7 @@
 """The decode layers in one native call (runner/cpu_decode_step.py, kernels/cpu_decode_step.c): for every
 Llama-shaped family it serves, greedy tokens and their logprobs are bitwise those of the layer-by-layer
 forward (the reference, `ASERVE_CPU_DECODE_STEP=0`) in a bf16 model, with bf16 and 4-bit projections,
-biases, sliding windows and a partial rotary, over batches that grow and shrink; models it does not
+biases, sliding windows, a partial rotary and per-head q/k norms, over batches that grow and shrink; models it does not
 serve keep the layers."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ FAMILIES = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "mistral": ("mistral", {"sliding_window": 8}),  # prompts longer than the window
     "phi3": ("phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),  # rotates half of each head
+    "qwen3": ("qwen3", {"head_dim": 16}),  # q/k normalized per head
 }
 
 
@@ -62,11 +63,9 @@ def test_one_call_equals_the_layers_bitwise(tmp_path, monkeypatch, family, quant
     assert calls >= max(lengths) - 1  # every decode step went through the native call
 
 
-def test_models_it_does_not_serve_keep_the_layers(tmp_path, monkeypatch):
-    save_tiny_hf(tmp_path, "qwen3", seed=5, **GREEDY_STABLE)  # q/k norms
+@pytest.mark.parametrize("family, dtype", [("gemma2", "bfloat16"), ("qwen2_moe", "bfloat16"), ("llama", "float32")])
+def test_models_it_does_not_serve_keep_the_layers(tmp_path, monkeypatch, family, dtype):
+    save_tiny_hf(tmp_path, family, seed=5, **GREEDY_STABLE)
     monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
-    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, cpu_kvcache_space=0.01)
+    llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True, max_model_len=64, cpu_kvcache_space=0.01)
     assert llm.engine.core._executor.runner.cpu_step is None
-    fp32 = LLM(str(tmp_path.parent / tmp_path.name), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-               cpu_kvcache_space=0.01)
-    assert fp32.engine.core._executor.runner.cpu_step is None
