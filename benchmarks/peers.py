@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import httpx
 import serving
+from _weight_bound import weight_bound_line
 
 SYSTEMS = ("aserve-bf16", "aserve-gguf", "aserve-gguf-O3", "llama-bf16", "llama-q4_1", "transformers")
 COLUMNS = ("system", "weights", "c", "output tok/s", "TTFT p50", "ITL p50", "TPOT p50", "start-up s")
@@ -408,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         out = args.llama_bf16_gguf or default_bf16_gguf(hf_folder)
         return make_bf16_gguf(hf_folder, out, args.llama_cpp_src)
+    bound = weight_bound_line(hf_folder)  # measured before any server runs
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="aserve-peers-")
     os.makedirs(log_dir, exist_ok=True)
     rows = run_systems(plan_systems(args, hf_folder, gguf_file, why), args, log_dir, run_pass,
@@ -417,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join([os.path.basename(sys.executable), *sys.argv]) if argv is None
         else shlex.join(["benchmarks/peers.py", *argv]),
+        "weight-stream bound": bound,
         "workload": (f"chat, ~{args.prompt_words}-word prompts (seed {args.seed}), at most {args.max_tokens} "
                      f"output tokens, temperature {args.temperature}, "
                      f"EOS {'ignored' if args.ignore_eos else 'honoured'}; "

@@ -162,3 +162,15 @@ def test_bf16_conversion_runs_on_a_patched_copy(tmp_path, monkeypatch):
     assert seen["argv"][:2] == ["--outtype", "bf16"]
     assert "rope_theta" not in json.loads((hf / "config.json").read_text())
     assert peers.make_bf16_gguf(str(hf), str(out), str(tmp_path / "nowhere")) == 2
+
+
+def test_the_weight_stream_bound_counts_every_projection_and_the_lm_head(tmp_path):
+    import _weight_bound
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 500}))
+    per_layer = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 96  # q|k|v, o, gate|up and down
+    assert _weight_bound.bf16_decode_bytes(str(tmp_path)) == 2 * (2 * per_layer + 500 * 64)
+    assert _weight_bound.dram_read_gbps(mib=16, repeats=1) > 0
+    assert "unknown" in _weight_bound.weight_bound_line(str(tmp_path / "missing"))
