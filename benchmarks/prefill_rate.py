@@ -1,7 +1,9 @@
 """Prefill speed against llama.cpp (issue 27): prompt tokens per second for one 512-token prompt, aserve's
 offline `LLM.generate` (one output token, no prefix cache) against llama.cpp's server (`/completion`,
 `cache_prompt: false`, its own `timings.prompt_per_second`), in one run; bf16 and the bundled Q4_1 file
-(`--quantization gguf` for aserve). The median of 4 prompts after a warm-up each (by hand, not CI).
+(`--quantization gguf` for aserve). 5 prompts, the first a warm-up, the median of the other 4 (by
+hand, not CI). aserve's time is the whole `generate` call (scheduling, one output token); llama.cpp's
+is its own prompt timing, so the comparison leans against aserve.
 
     python benchmarks/prefill_rate.py --llama-server PATH [--prompt-tokens 512]
 """

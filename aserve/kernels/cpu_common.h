@@ -77,4 +77,24 @@ static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin,
     *end = (*begin + per) < units ? (*begin + per) : units;
 }
 
+/* The kernels cpu_decode_step.c composes (defined in cpu_ops.c and cpu_matmul.c; declared here so the
+ * compiler checks every definition against its use). */
+void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,
+                       int64_t residual_f32, const bf16 *weight, bf16 *out, float *sum_out, int64_t rows,
+                       int64_t n, float eps, float weight_offset);
+void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *cos_sin,
+                      bf16 *q_out, bf16 *k_out, int64_t tokens, int64_t q_heads, int64_t k_heads,
+                      int64_t head_dim, int64_t half);
+void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n);
+void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
+                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                 const int64_t *slots, const bf16 *k_new, int64_t k_stride, const bf16 *v_new,
+                                 int64_t v_stride, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t block_size, int64_t window, float scale, float softcap);
+int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
+                         int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32);
+int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
+                         const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
+                         int64_t K, int64_t y_f32, int64_t gs);
+
 #endif /* ASERVE_CPU_COMMON_H */

@@ -42,6 +42,10 @@ class _Layer(ctypes.Structure):
                 ("down", _Matmul), ("k_cache", _P), ("v_cache", _P), ("window", _I), ("scale", _F)]
 
 
+# Linear methods whose packed operands the C matmuls take as they are (no change to x before the matmul).
+_C_METHODS = ("cpu_bf16_kernel", "int4", "gguf", "CheckpointIntMethod")
+
+
 class NotEligible(Exception):
     """Why a model does not take the native decode step."""
 
@@ -52,6 +56,10 @@ def _matmul(linear: nn.Module, k: int, float_output: bool) -> _Matmul:
         raise NotEligible(f"{type(linear).__name__} is not a plain Linear")
     if bool(getattr(linear, "float_output", False)) != float_output:
         raise NotEligible("a projection's output dtype differs from the fused step's")
+    method = linear.quant_method
+    if (getattr(method, "name", None) not in _C_METHODS and type(method).__name__ not in _C_METHODS
+            or getattr(linear, "input_perm", None) is not None):  # GPTQ act-order permutes x first
+        raise NotEligible(f"a projection runs on {type(method).__name__}, not a C kernel as it is")
     bias = linear.bias
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         raise NotEligible("a bias is not a contiguous bf16 vector")
@@ -154,14 +162,14 @@ class CpuDecodeStep:
         cache = attn.attn.kv_cache
         qkv = _matmul(attn.qkv_proj, h, False)
         gate_up = _matmul(mlp.gate_up_proj, h, True)
-        if qkv.n != qkv_width or gate_up.n != 2 * self.intermediate:
-            raise NotEligible("a fused projection's width differs from its parts")
+        o, down = _matmul(attn.o_proj, q_width, True), _matmul(mlp.down_proj, self.intermediate, True)
+        if qkv.n != qkv_width or gate_up.n != 2 * self.intermediate or o.n != h or down.n != h:
+            raise NotEligible("a projection's width differs from the layer's")
         half = cache.stride(0) * cache.element_size()
         q_norm, k_norm = ((attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if attn.q_norm is not None
                           else (None, None))
         return _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                      q_norm, k_norm, qkv, _matmul(attn.o_proj, q_width, True), gate_up,
-                      _matmul(mlp.down_proj, self.intermediate, True), cache.data_ptr(), cache.data_ptr() + half,
+                      q_norm, k_norm, qkv, o, gate_up, down, cache.data_ptr(), cache.data_ptr() + half,
                       attn.attn.sliding_window or 0, attn.attn.scale)
 
     def can_run(self, meta, num_rows: int) -> bool:

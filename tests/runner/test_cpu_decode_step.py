@@ -69,3 +69,20 @@ def test_models_it_does_not_serve_keep_the_layers(tmp_path, monkeypatch, family,
     monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
     llm = LLM(str(tmp_path), dtype=dtype, skip_tokenizer_init=True, max_model_len=64, cpu_kvcache_space=0.01)
     assert llm.engine.core._executor.runner.cpu_step is None
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_checkpoints_use_it_unless_act_order_permutes_the_input(tmp_path, monkeypatch, desc_act):
+    """A GPTQ act-order layer permutes x before its 4-bit matmul (`input_perm`): the C step, which
+    multiplies x as it is, must leave such a model to the layers."""
+    from tests.model.quantization._quantized_checkpoints import build
+
+    quant, _ = build(tmp_path, "gptq", group_size=32, desc_act=desc_act, sym=True, v1=True)
+    monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
+    llm = LLM(str(quant), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=64, cpu_kvcache_space=0.01)
+    assert (llm.engine.core._executor.runner.cpu_step is None) == desc_act
+    if not desc_act:
+        lengths = [6] * len(PROMPTS)
+        layers, _ = _outputs(str(quant), monkeypatch, False, lengths)
+        native, calls = _outputs(str(quant), monkeypatch, True, lengths)
+        assert native == layers and calls > 0
