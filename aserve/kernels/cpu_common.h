@@ -86,6 +86,7 @@ void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_
                       bf16 *q_out, bf16 *k_out, int64_t tokens, int64_t q_heads, int64_t k_heads,
                       int64_t head_dim, int64_t half);
 void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n);
+void gelu_tanh_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n);
 void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
                                  const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                  const int64_t *slots, const bf16 *k_new, int64_t k_stride, const bf16 *v_new,

@@ -94,6 +94,23 @@ void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out
     }
 }
 
+/* out [rows, n] = bf16(gelu_tanh(x[r, :n]) * x[r, n:2n]) (GeGLU with torch's tanh approximation, fp32
+ * inside, one rounding); x bf16, or fp32 when x_f32, row stride x_stride. 0.5 (1 + tanh(y)) is computed as
+ * 1 / (1 + exp(-2y)), which keeps its relative precision where gelu is near 0. */
+void gelu_tanh_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        float row[2 * n];
+        load_row(x, x_f32, r, x_stride, 2 * n, row);
+        bf16 *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float a = row[i];
+            const float y = 0.7978845608028654f * (a + 0.044715f * a * a * a);
+            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-2.0f * y)) * row[n + i]);
+        }
+    }
+}
+
 #define KEY_CHUNK 64
 #define MAX_GROUP 16
 

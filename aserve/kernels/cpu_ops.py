@@ -43,6 +43,7 @@ _SIGNATURES = {
     "add_rms_norm_bf16": (_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _I, _F, _F),
     "rotary_neox_bf16": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "silu_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
+    "gelu_tanh_and_mul_bf16": (_P, _I, _I, _P, _I, _I),
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I),
@@ -98,6 +99,7 @@ class CpuKernels:
         self._norm = library.add_rms_norm_bf16
         self._rotary = library.rotary_neox_bf16
         self._silu = library.silu_and_mul_bf16
+        self._gelu_tanh = library.gelu_tanh_and_mul_bf16
         self._attend = library.paged_decode_attention_bf16
         self._linear = library.linear_bf16
         self._linear_vnni = library.linear_vnni_bf16
@@ -254,11 +256,19 @@ class CpuKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, 2N]` (bf16 or float32, unit stride within a row) -> bf16 `silu(x[:, :N]) * x[:, N:]`."""
+        return self._gated(self._silu, "silu_and_mul", x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, 2N]` (as `silu_and_mul`) -> bf16 `gelu(x[:, :N], approximate="tanh") * x[:, N:]`."""
+        return self._gated(self._gelu_tanh, "gelu_tanh_and_mul", x)
+
+    @staticmethod
+    def _gated(fn, name: str, x: torch.Tensor) -> torch.Tensor:
         rows, width = x.shape
         if x.stride(1) != 1 or width % 2 or x.dtype not in _ROW_DTYPES:
-            raise ValueError(f"silu_and_mul: x {tuple(x.shape)} {x.dtype} needs unit stride, an even width, bf16/fp32")
+            raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} needs unit stride, an even width, bf16/fp32")
         out = torch.empty((rows, width // 2), dtype=_BF16)
-        self._silu(x.data_ptr(), x.stride(0), x.dtype == torch.float32, out.data_ptr(), rows, width // 2)
+        fn(x.data_ptr(), x.stride(0), x.dtype == torch.float32, out.data_ptr(), rows, width // 2)
         return out
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -96,6 +96,22 @@ def test_silu_and_mul(kernels):
     assert_rounded_once(kernels.silu_and_mul(x32), F.silu(x32[:, :96]) * x32[:, 96:])
 
 
+def test_gelu_tanh_and_mul(kernels):
+    """Against float64 in the form a * sigmoid(2y), equal to gelu_tanh(a) = a (1 + tanh(y)) / 2: torch's
+    tanh form loses relative precision where gelu nears 0 (1 + tanh(y) cancels; in float64 too, to an
+    exact 0 below a ~ -8), the kernel's 1 / (1 + exp(-2y)) does not; torch's agrees in absolute terms."""
+    def want(x: torch.Tensor) -> torch.Tensor:
+        a, b = x.double()[:, :96], x.double()[:, 96:]
+        y = 0.7978845608028654 * (a + 0.044715 * a**3)
+        torch.testing.assert_close(a * torch.sigmoid(2 * y), F.gelu(a, approximate="tanh"), rtol=1e-6, atol=1e-12)
+        return (a * torch.sigmoid(2 * y) * b).float()
+
+    x = _rand(5, 2 * 96, seed=7, scale=3.0)
+    assert_rounded_once(kernels.gelu_tanh_and_mul(x), want(x))
+    x32 = torch.randn(3, 2 * 96, generator=torch.Generator().manual_seed(8)) * 4  # float32 rows: bf16 out
+    assert_rounded_once(kernels.gelu_tanh_and_mul(x32), want(x32))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
 @pytest.mark.parametrize("in_features", [64, 40])  # 40: not a multiple of 32 (the portable loop)
 def test_linear(kernels, rows, in_features):

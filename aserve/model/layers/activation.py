@@ -39,15 +39,26 @@ class SiluAndMul(CustomOp):
 
 class GeluAndMul(CustomOp):
     """x `[T, 2N]` -> `gelu(x[:, :N]) * x[:, N:]` (GeGLU: Gemma's MLP); `approximate` is torch's
-    ("tanh" for `gelu_pytorch_tanh`, "none" for exact gelu). One form on every device."""
+    ("tanh" for `gelu_pytorch_tanh`, "none" for exact gelu).
 
-    def __init__(self, approximate: str = "tanh"):
+    CPU: the tanh form in a bf16 model is one C kernel call (`cpu_ops.gelu_tanh_and_mul`, fp32 inside, one
+    rounding; the input may be float32); else the native form."""
+
+    def __init__(self, approximate: str = "tanh", dtype: torch.dtype | None = None):
         super().__init__()
         self.approximate = approximate
+        self.dtype = dtype  # the model's activation dtype
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[-1] // 2
         return F.gelu(x[..., :n], approximate=self.approximate) * x[..., n:]
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = self.cpu_kernels
+        if (kernels is not None and self.approximate == "tanh" and self.dtype == torch.bfloat16
+                and kernels.accepts_rows(x)):
+            return kernels.gelu_tanh_and_mul(x)
+        return self.forward_native(x)
 
 
 _GATED = {"silu": None, "swish": None, "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
@@ -59,7 +70,7 @@ def get_act_and_mul(hidden_act: str, dtype: torch.dtype | None = None) -> nn.Mod
     if hidden_act not in _GATED:
         raise ValueError(f"hidden_act {hidden_act!r} is not implemented (supported: {sorted(_GATED)})")
     approximate = _GATED[hidden_act]
-    return SiluAndMul(dtype) if approximate is None else GeluAndMul(approximate)
+    return SiluAndMul(dtype) if approximate is None else GeluAndMul(approximate, dtype)
 
 
 # Non-gated MLP activations (GPT-2's `activation_function`, OPT's); transformers' names. `gelu_new` is
