@@ -1,7 +1,7 @@
 """The decode layers in one native call (runner/cpu_decode_step.py, kernels/cpu_decode_step.c): for every
 Llama-shaped family it serves, greedy tokens and their logprobs are bitwise those of the layer-by-layer
 forward (the reference, `ASERVE_CPU_DECODE_STEP=0`) in a bf16 model, with bf16 and 4-bit projections,
-biases, sliding windows, a partial rotary and per-head q/k norms, over batches that grow and shrink; models it does not
+biases, sliding windows, a partial rotary, per-head q/k norms and Gemma's layer form, over batches that grow and shrink; models it does not
 serve keep the layers."""
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ FAMILIES = {
     "mistral": ("mistral", {"sliding_window": 8}),  # prompts longer than the window
     "phi3": ("phi3", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),  # rotates half of each head
     "qwen3": ("qwen3", {"head_dim": 16}),  # q/k normalized per head
+    # normalized attention and MLP outputs, 1 + w norms, GELU-tanh, soft-capped scores, a window
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8}),
+    # per-head q/k norms and a local rotary table for the sliding layers
+    "gemma3": ("gemma3", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                          "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
@@ -63,7 +68,7 @@ def test_one_call_equals_the_layers_bitwise(tmp_path, monkeypatch, family, quant
     assert calls >= max(lengths) - 1  # every decode step went through the native call
 
 
-@pytest.mark.parametrize("family, dtype", [("gemma2", "bfloat16"), ("qwen2_moe", "bfloat16"), ("llama", "float32")])
+@pytest.mark.parametrize("family, dtype", [("gpt2", "bfloat16"), ("qwen2_moe", "bfloat16"), ("llama", "float32")])
 def test_models_it_does_not_serve_keep_the_layers(tmp_path, monkeypatch, family, dtype):
     save_tiny_hf(tmp_path, family, seed=5, **GREEDY_STABLE)
     monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
