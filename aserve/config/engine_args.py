@@ -27,7 +27,7 @@ from aserve.config.kv_scales import validate_kv_scale_args
 from aserve.config.lora import validate_lora_args
 from aserve.config.model_impl import MODEL_IMPLS, check_transformers_args
 from aserve.config.observability import validate_observability_args
-from aserve.config.parallel import check_pipeline_args
+from aserve.config.parallel import check_parallel_args
 from aserve.config.pooling import validate_pooling_args
 from aserve.config.loading import check_loading_args
 from aserve.config.quantization import (
@@ -135,8 +135,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas behind one server (aserve/engine/data_parallel.py)
     data_parallel_rank: int = 0  # which replica this engine is (set per replica by the data-parallel engine)
-    # None: off on CPU (as vLLM: output processing would take cores from the forward), on elsewhere
-    disable_async_output_proc: bool | None = None
+    disable_async_output_proc: bool | None = None  # None: off on CPU (as vLLM's CPU backend), else on
     enable_sleep_mode: bool = False  # POST /sleep, /wake_up (aserve/runner/sleep_mode.py)
     attention_backend: str | None = None
     quantization: str | None = None
@@ -274,27 +273,6 @@ class EngineArgs:
         require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes >= 1, "kv_cache_memory_bytes",
                 f"must be >= 1 byte, got {self.kv_cache_memory_bytes}")
 
-    def _reject_unimplemented_parallelism(self) -> None:
-        """Tensor and pipeline parallelism run over `mp` or `ray` (one worker per rank); combinations
-        not built are refused by name."""
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        check_pipeline_args(self)
-        require(0 <= self.data_parallel_rank < self.data_parallel_size, "data_parallel_rank",
-                f"must be in [0, --data-parallel-size={self.data_parallel_size}), got {self.data_parallel_rank}")
-        if self.data_parallel_size > 1:
-            require(not self.enable_lora, "data_parallel_size",
-                    "LoRA adapters are not supported with data-parallel replicas yet (use 1 with --enable-lora)")
-            require(not self.enable_sleep_mode, "data_parallel_size",
-                    "sleep mode is not supported with data-parallel replicas yet (use 1 with --enable-sleep-mode)")
-        if self.tensor_parallel_size > 1:
-            require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
-                    f"--tensor-parallel-size {self.tensor_parallel_size} runs one worker per rank: it needs "
-                    "'mp' (processes of this machine) or 'ray' (actors on a Ray cluster), not 'uni'")
-            require(self.quantization != "gguf", "quantization",
-                    "'gguf' serves the file's 4-bit blocks whole; it cannot be split across tensor-parallel "
-                    "ranks (use --tensor-parallel-size 1, or int8/int4, which quantize each rank's slice)")
-
     def _validate_combinations(self) -> None:
         """Combinations of values the user gave; those involving the model's context length are
         checked again in resolve_config once the model's default is known."""
@@ -323,7 +301,7 @@ class EngineArgs:
 
     def _reject_unimplemented(self) -> None:
         """Accepted-but-unimplemented arguments fail loudly here instead of being ignored."""
-        self._reject_unimplemented_parallelism()
+        check_parallel_args(self)
         require(normalize_method(self.quantization) not in REFUSED_METHODS, "quantization",
                 f"{self.quantization!r}: {REFUSED_METHODS.get(normalize_method(self.quantization) or '')}")
         require(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",

@@ -99,6 +99,29 @@ _PP = "pipeline_parallel_size"
 PIPELINE_ARCHITECTURES = SUPPORTED_ARCHITECTURES - {"GPT2LMHeadModel", "OPTForCausalLM"}
 
 
+def check_parallel_args(args: Any) -> None:
+    """ConfigError naming the flag unless the parallelism flags (`EngineArgs`) are sizes >= 1 in a
+    combination that is built: tensor and pipeline parallelism run over `mp` or `ray` (one worker per
+    rank); data-parallel replicas without LoRA or sleep mode."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        require(getattr(args, name) >= 1, name, f"must be >= 1, got {getattr(args, name)}")
+    check_pipeline_args(args)
+    require(0 <= args.data_parallel_rank < args.data_parallel_size, "data_parallel_rank",
+            f"must be in [0, --data-parallel-size={args.data_parallel_size}), got {args.data_parallel_rank}")
+    if args.data_parallel_size > 1:
+        require(not args.enable_lora, "data_parallel_size",
+                "LoRA adapters are not supported with data-parallel replicas yet (use 1 with --enable-lora)")
+        require(not args.enable_sleep_mode, "data_parallel_size",
+                "sleep mode is not supported with data-parallel replicas yet (use 1 with --enable-sleep-mode)")
+    if args.tensor_parallel_size > 1:
+        require(args.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
+                f"--tensor-parallel-size {args.tensor_parallel_size} runs one worker per rank: it needs "
+                "'mp' (processes of this machine) or 'ray' (actors on a Ray cluster), not 'uni'")
+        require(args.quantization != "gguf", "quantization",
+                "'gguf' serves the file's 4-bit blocks whole; it cannot be split across tensor-parallel "
+                "ranks (use --tensor-parallel-size 1, or int8/int4, which quantize each rank's slice)")
+
+
 def check_pipeline_args(args: Any) -> None:
     """ConfigError naming the flag for what `--pipeline-parallel-size` > 1 does not combine with (the
     engine arguments alone; the model is checked by `check_pipeline_parallel`)."""

@@ -80,8 +80,12 @@ void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_
     }
 }
 
-/* out [rows, n] = bf16(silu(x[r, :n]) * x[r, n:2n]), x (bf16, or fp32 when x_f32) with row stride x_stride. */
-void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n) {
+/* out [rows, n] = bf16(a * sigmoid(z) * x[r, n + i]) for a = x[r, i] (fp32 inside, one rounding): z = a is
+ * SiLU; z = 2y, y = sqrt(2 / pi) (a + 0.044715 a^3), is GELU with torch's tanh approximation, since
+ * (1 + tanh(y)) / 2 = sigmoid(2y) (a form that keeps its precision where GELU nears 0, unlike 1 + tanh).
+ * x bf16, or fp32 when x_f32, row stride x_stride. */
+static inline void sigmoid_gated(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n,
+                                 const int gelu) {
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t r = 0; r < rows; r++) {
         float row[2 * n];
@@ -89,26 +93,18 @@ void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out
         bf16 *o = out + r * n;
         for (int64_t i = 0; i < n; i++) {
             const float a = row[i];
-            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-a)) * row[n + i]);
+            const float z = gelu ? 1.5957691216057308f * (a + 0.044715f * a * a * a) : a;
+            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-z)) * row[n + i]);
         }
     }
 }
 
-/* out [rows, n] = bf16(gelu_tanh(x[r, :n]) * x[r, n:2n]) (GeGLU with torch's tanh approximation, fp32
- * inside, one rounding); x bf16, or fp32 when x_f32, row stride x_stride. 0.5 (1 + tanh(y)) is computed as
- * 1 / (1 + exp(-2y)), which keeps its relative precision where gelu is near 0. */
+void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n) {
+    sigmoid_gated(x, x_stride, x_f32, out, rows, n, 0);
+}
+
 void gelu_tanh_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n) {
-#pragma omp parallel for schedule(static) if (rows > 8)
-    for (int64_t r = 0; r < rows; r++) {
-        float row[2 * n];
-        load_row(x, x_f32, r, x_stride, 2 * n, row);
-        bf16 *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) {
-            const float a = row[i];
-            const float y = 0.7978845608028654f * (a + 0.044715f * a * a * a);
-            o[i] = f32_to_bf16(a / (1.0f + fast_exp(-2.0f * y)) * row[n + i]);
-        }
-    }
+    sigmoid_gated(x, x_stride, x_f32, out, rows, n, 1);
 }
 
 #define KEY_CHUNK 64
