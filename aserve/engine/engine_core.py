@@ -4,9 +4,10 @@ below it. It owns the scheduler and the executor; nothing else touches either.
     step() = schedule() -> execute_model() -> update()
 
 With pipeline parallelism (`max_steps_in_flight` > 1, one step per stage) a step is split into
-`submit(so)` and `collect()`, and `step()` keeps up to that many steps in flight: it schedules and
-submits until the pipeline is full (the scheduler leaves requests in flight out), then collects the
-oldest step and applies it (the async engine does the same on its loop: engine/pipelined_loop.py).
+`submit(so)` and `collect()`, and the steps in flight are kept here: `next_step()` schedules while the
+pipeline has room (the scheduler leaves requests in flight out), `collect()` waits for the oldest. The
+offline `step()` fills the pipeline, then collects and applies the oldest step; the async engine does the
+same on its loop (engine/pipelined_loop.py), with `submit` / `collect` on a worker thread.
 
 The offline engine calls `step()`. The async engine calls the three pieces itself so that
 `execute_model` runs on a worker thread while the event loop processes the previous step's outputs;
@@ -82,8 +83,7 @@ class EngineCore:
         self._detailed_traces = config.observability.collect_detailed_traces
         self._last_execute_time = 0.0  # the latest execute_model call's seconds (detailed traces only)
         self.max_steps_in_flight = config.scheduler.max_steps_in_flight
-        self._steps_in_flight: deque[SchedulerOutput] = deque()  # offline pipelined steps, oldest first
-        self._submit_times: deque[float] = deque()  # submitted steps' start times (detailed traces only)
+        self._steps_in_flight: deque[tuple[SchedulerOutput, float]] = deque()  # (step, submitted at), oldest first
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,7 +98,7 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or offline pipelined steps not collected yet."""
+        """Requests not finished, or pipelined steps not collected yet."""
         return self.scheduler.has_unfinished_requests() or bool(self._steps_in_flight)
 
     def num_unfinished_requests(self) -> int:
@@ -151,34 +151,44 @@ class EngineCore:
                                execute_time) if self._detailed_traces else None
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), times)
 
-    def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Pipeline parallelism: starts the step without waiting (blocking only to hand it over)."""
-        if self._detailed_traces:
-            self._submit_times.append(time.perf_counter())
-        self._executor.submit(scheduler_output)
+    # -- pipeline parallelism: several steps in flight ------------------------------------------------
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._steps_in_flight)
 
-    def collect(self) -> RunnerOutput:
-        """Pipeline parallelism: the oldest submitted step's output (blocking); ExecutorDeadError as
-        `execute_model`. Detailed traces count a step's execute time from its submission."""
+    def next_step(self) -> SchedulerOutput | None:
+        """The next step to submit, or None when the pipeline is full or the runner has nothing to do."""
+        if len(self._steps_in_flight) >= self.max_steps_in_flight:
+            return None
+        scheduler_output = self.schedule()
+        return scheduler_output if scheduler_output.needs_runner else None
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Starts the step without waiting (blocking only to hand it over)."""
+        self._executor.submit(scheduler_output)
+        self._steps_in_flight.append((scheduler_output, time.perf_counter()))
+
+    def collect(self) -> tuple[SchedulerOutput, RunnerOutput, float]:
+        """The oldest step in flight, its output (blocking; ExecutorDeadError as `execute_model`) and the
+        seconds since it was submitted; the caller applies it with `update`."""
+        scheduler_output, submitted = self._steps_in_flight[0]
         output = self._executor.collect()
+        self._steps_in_flight.popleft()
+        seconds = time.perf_counter() - submitted
         if self._detailed_traces:
-            self._last_execute_time = time.perf_counter() - self._submit_times.popleft()
-        return output
+            self._last_execute_time = seconds
+        return scheduler_output, output, seconds
 
     def step(self) -> EngineCoreOutputs:
         if self.max_steps_in_flight == 1:
             scheduler_output = self.schedule()
             return self.update(scheduler_output, self.execute_model(scheduler_output))
-        steps = self._steps_in_flight
-        while len(steps) < self.max_steps_in_flight:
-            scheduler_output = self.schedule()
-            if not scheduler_output.needs_runner:
-                break
+        while (scheduler_output := self.next_step()) is not None:
             self.submit(scheduler_output)
-            steps.append(scheduler_output)
-        if not steps:
+        if not self._steps_in_flight:
             return EngineCoreOutputs([], self.scheduler.make_stats())
-        return self.update(steps.popleft(), self.collect())
+        scheduler_output, output, _ = self.collect()
+        return self.update(scheduler_output, output)
 
     # -- adapters (never while execute_model runs) ---------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> None:

@@ -9,14 +9,11 @@ stay on the event loop; only the executor's blocking `submit` / `collect` go to 
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 import anyio
 
 if TYPE_CHECKING:
-    from aserve.core.batch import SchedulerOutput
     from aserve.engine.async_engine import AsyncEngine
 
 
@@ -24,27 +21,18 @@ async def run_pipelined(engine: AsyncEngine) -> None:
     """Runs `engine`'s steps until it is stopped and drained; raises what the executor raises (the
     caller's `run` turns it into a dead engine)."""
     core = engine.engine.core
-    depth = core.max_steps_in_flight
-    steps: deque[tuple[SchedulerOutput, float]] = deque()
-    while not engine._stopping or engine.engine.has_unfinished_requests() or steps:
-        if not steps and not engine.engine.has_unfinished_requests():
-            if engine._stopping:
-                break
+    while not engine._stopping or engine.engine.has_unfinished_requests():  # steps in flight count
+        if not engine.engine.has_unfinished_requests():
             await engine._wakeup.wait()
             engine._wakeup = anyio.Event()
             continue
-        while len(steps) < depth:
-            so = core.schedule()
-            if not so.needs_runner:
-                break
+        while (so := core.next_step()) is not None:
             async with engine._executor_lock:
                 await anyio.to_thread.run_sync(core.submit, so)
-            steps.append((so, time.perf_counter()))
-        if not steps:  # unfinished requests, none of which can run now
+        if not core.num_steps_in_flight:  # unfinished requests, none of which can run now
             await anyio.sleep(0.001)
             continue
-        so, started = steps.popleft()
         async with engine._executor_lock:
-            output = await anyio.to_thread.run_sync(core.collect)
-        engine._deliver(core.update(so, output), time.perf_counter() - started)
+            so, output, seconds = await anyio.to_thread.run_sync(core.collect)
+        engine._deliver(core.update(so, output), seconds)
         await anyio.sleep(0)  # let request handlers run between steps
