@@ -52,13 +52,13 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    systems = {"1 rank": {}, "TP=2": {"tp": 2}, "PP=2": {"pp": 2}, "PP=2, one step in flight": {"pp": 2, "in_flight": 1}}
+    systems = {"1 rank": {}, "TP=2": {"tp": 2}, "PP=2": {"pp": 2},
+               "PP=2, one step in flight": {"pp": 2, "in_flight": 1}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(SHAPE))
-        rows = {name: {b: throughput(folder, b, args.dtype, **kw) for b in (int(x) for x in args.batch_sizes.split(","))}
-                for name, kw in systems.items()}
-    batches = next(iter(rows.values())).keys()
+        batches = [int(b) for b in args.batch_sizes.split(",")]
+        rows = {name: {b: throughput(folder, b, args.dtype, **kw) for b in batches} for name, kw in systems.items()}
     print("| output tok/s | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|" + "---:|" * len(batches))
     for name, row in rows.items():

@@ -2,7 +2,8 @@
 
 Built only by `EngineArgs.create_config()` (aserve/config/resolve.py), which has already validated
 every value, so consumers trust these fields. vLLM arguments that are accepted but not implemented
-are refused during validation and never reach these structs. What the runner learns at start-up (the KV block count) lives in `KVCacheInfo`, never written back here.
+are refused during validation and never reach these structs. What the runner learns at start-up (the
+KV block count) lives in `KVCacheInfo`, never written back here.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine (replica): tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

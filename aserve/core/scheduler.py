@@ -16,7 +16,8 @@ With speculative decoding a decoding request also gets the drafts `core/spec_dec
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run); `update()`
 appends the sampled tokens and applies the stop rules. With pipeline parallelism several steps are in
 flight (`max_steps_in_flight`): a request in one is skipped by later ones and never preempted, until its
-`update`; each step takes at most its share of the running requests, so the micro-batches balance. The runner protocol: `aserve.core.batch`.
+`update`; each step takes at most its share of the running requests, so the micro-batches balance.
+The runner protocol: `aserve.core.batch`.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class ProcessExecutor:
 
     def __init__(self, config: AserveConfig):
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        self.world_size = config.parallel.world_size
         self.output_rank = output_rank(config)
         self._conns: list = []
         self._procs: list = []

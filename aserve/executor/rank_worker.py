@@ -81,7 +81,8 @@ class RankWorker:
 
         if device_index is None and config.device.device == "cuda":  # replica r: devices r*world .. r*world+world-1
             device_index = config.parallel.data_parallel_rank * self.world_size + self.rank
-        self.parallel = (init_distributed(self.rendezvous, self.rank, device_index, config.parallel.pipeline_parallel_size)
+        pp_size = config.parallel.pipeline_parallel_size
+        self.parallel = (init_distributed(self.rendezvous, self.rank, device_index, pp_size)
                          if self.rendezvous is not None else SINGLE.with_device(device_index))
         self.runner = make_runner(config, self.parallel)
         in_waves(self.runner.load_model, self.parallel, config.load.options.max_parallel_loading_workers)

@@ -98,7 +98,7 @@ class RayExecutor:
 
     def __init__(self, config: AserveConfig):
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        self.world_size = config.parallel.world_size
         self.output_rank = output_rank(config)
         self._submitted: deque[list] = deque()  # each submitted step's calls, oldest first
         self._actors: list[Any] = []

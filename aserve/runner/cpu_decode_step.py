@@ -1,6 +1,6 @@
 """A CPU decode step's decoder layers in one native call (`kernels/cpu_decode_step.c`): no Python, no
-`nn.Module` calls and no tensor allocations between the ops of a step, for Llama-shaped bf16 models
-whose projections run on aserve's C kernels.
+`nn.Module` calls and no tensor allocations between the ops of a step, for bf16 models whose
+projections run on aserve's C kernels.
 
 The runner builds it after binding the KV cache (`CpuDecodeStep.build`, None when the model does not
 qualify; the reason is logged once) and uses it for steps where every row decodes one token, with no
@@ -8,10 +8,9 @@ padding and no LoRA. The embedding, the final norm and everything after stay the
 runs the same kernels in the same order as the layer-by-layer forward, so its hidden states are bitwise
 the same: the layers remain the reference and the fallback.
 
-Qualifies: `LlamaModel` decoders (Llama, Mistral, Qwen2, Qwen3, Phi-3) with gated-SiLU dense MLPs, neox
-rotary with a bf16 table, bf16 RMSNorms of one eps (per-head q/k norms included), every projection packed for `linear_vnni` (bf16, AVX512-BF16) or for
-`linear_int4` (int4 / GGUF Q4), float32 outputs where the layers have them, a bf16 KV cache with unit
-scales, one rank.
+Qualifies: the decoder forms `cpu_decode_layers.py` describes (Llama, Mistral, Qwen2, Qwen3, Phi-3;
+Gemma 2 and 3) with every projection packed for `linear_vnni` (bf16, AVX512-BF16) or `linear_int4` (int4,
+GGUF Q4, GPTQ / AWQ without act-order), a bf16 KV cache with unit scales, one rank.
 """
 
 from __future__ import annotations

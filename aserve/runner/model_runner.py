@@ -123,7 +123,8 @@ class ModelRunner:
         elif cache.kv_cache_memory_bytes is not None:  # --kv-cache-memory-bytes: no profiling, no fraction
             num_blocks = cache.kv_cache_memory_bytes // per_block
         elif self.device.type == "cuda":
-            num_blocks = profile_num_blocks(lambda: run_profile_step(self), self.device, cache.gpu_memory_utilization, per_block)
+            num_blocks = profile_num_blocks(lambda: run_profile_step(self), self.device, cache.gpu_memory_utilization,
+                                            per_block)
         else:
             num_blocks = int(cache.cpu_kvcache_space_gb * GiB // per_block)
         num_blocks = max(num_blocks, 2)  # block 0 is the reserved null block
