@@ -32,7 +32,7 @@ from aserve.kernels.c_build import log_once as _log_once
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c", _HERE / "cpu_decode_step.c")  # all include cpu_common.h
+_SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c", _HERE / "cpu_attention.c", _HERE / "cpu_decode_step.c")  # all include cpu_common.h
 _HEADER = _HERE / "cpu_common.h"
 
 _BF16 = torch.bfloat16

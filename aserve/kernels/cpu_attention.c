@@ -1,0 +1,356 @@
+/* aserve's CPU attention over a paged bf16 KV cache, reading the blocks in place: decode (one query per
+ * sequence) and prefill / extend (a run of queries at the end of each sequence, causal). Scores and the
+ * softmax are fp32 with an online (running max) softmax. With AVX512-BF16 and a head size that is a
+ * multiple of 32, q.k products use the CPU's bf16 dot product (both are bf16 already, so the products are
+ * exact); prefill also multiplies the probabilities, rounded to bf16 as torch's flash attention does,
+ * with V that way. Built and loaded by cpu_ops.py, which checks shapes; these functions trust their input.
+ */
+#include "cpu_common.h"
+
+#define KEY_CHUNK 64
+#define MAX_GROUP 16
+
+/* The cache slots of keys [c0, c0 + n) of a sequence whose blocks are `table` (no division per key). */
+static inline void key_slots(const int32_t *table, int64_t c0, int64_t n, int64_t block_size, int64_t *slot) {
+    for (int64_t j = 0, block = c0 / block_size, offset = c0 % block_size; j < n; j++) {
+        slot[j] = (int64_t)table[block] * block_size + offset;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+}
+
+/* One (sequence, KV head) of paged decode attention: the G query heads that share KV head g. D is a
+ * compile-time constant where this is inlined for a common head size (the inner loops unroll). */
+static inline __attribute__((always_inline)) void attend_kv_head(
+    const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, int64_t start,
+    int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale,
+    float softcap) {
+    float qf[MAX_GROUP * D], acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][KEY_CHUNK], kv[D];
+    for (int64_t h = 0; h < G; h++) {
+        for (int64_t i = 0; i < D; i++) {
+            qf[h * D + i] = bf16_to_f32(q[h * D + i]) * scale;
+            acc[h * D + i] = 0.0f;
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    for (int64_t c0 = start; c0 < len; c0 += KEY_CHUNK) {
+        const int64_t n = (len - c0) < KEY_CHUNK ? (len - c0) : KEY_CHUNK;
+        int64_t slot[KEY_CHUNK];
+        key_slots(table, c0, n, block_size, slot);
+        for (int64_t j = 0; j < n; j++) {
+            const bf16 *kr = k_cache + slot[j] * row + g * D;
+#if defined(__AVX512F__)
+            if (D % 16 == 0) { /* one 16-lane partial sum per head, reduced once (no per-element chain) */
+                for (int64_t h = 0; h < G; h++) {
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t i = 0; i < D; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + i), load16_bf16(kr + i), a);
+                    s[h][j] = _mm512_reduce_add_ps(a);
+                }
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < D; i++) kv[i] = bf16_to_f32(kr[i]);
+            for (int64_t h = 0; h < G; h++) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++) dot += qf[h * D + i] * kv[i];
+                s[h][j] = dot;
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            if (softcap > 0.0f) /* Gemma 2: scores capped as softcap * tanh(s / softcap) */
+                for (int64_t j = 0; j < n; j++) s[h][j] = softcap * tanhf(s[h][j] / softcap);
+            float mx = m[h];
+            for (int64_t j = 0; j < n; j++) mx = s[h][j] > mx ? s[h][j] : mx;
+            const float corr = fast_exp(m[h] - mx); /* 0 on the first chunk (m = -inf) */
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) {
+                s[h][j] = fast_exp(s[h][j] - mx);
+                sum += s[h][j];
+            }
+            l[h] = l[h] * corr + sum;
+            m[h] = mx;
+            for (int64_t i = 0; i < D; i++) acc[h * D + i] *= corr;
+        }
+#if defined(__AVX512F__)
+        if (D % 64 == 0) { /* values converted once per chunk, then 4 register accumulators per head */
+            float vbuf[KEY_CHUNK * D];
+            for (int64_t j = 0; j < n; j++) {
+                const bf16 *vr = v_cache + slot[j] * row + g * D;
+                for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(vbuf + j * D + i, load16_bf16(vr + i));
+            }
+            for (int64_t h = 0; h < G; h++) {
+                for (int64_t i = 0; i < D; i += 64) {
+                    float *ah = acc + h * D + i;
+                    __m512 a0 = _mm512_loadu_ps(ah), a1 = _mm512_loadu_ps(ah + 16);
+                    __m512 a2 = _mm512_loadu_ps(ah + 32), a3 = _mm512_loadu_ps(ah + 48);
+                    for (int64_t j = 0; j < n; j++) {
+                        const __m512 p = _mm512_set1_ps(s[h][j]);
+                        const float *vj = vbuf + j * D + i;
+                        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj), a0);
+                        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16), a1);
+                        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 32), a2);
+                        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 48), a3);
+                    }
+                    _mm512_storeu_ps(ah, a0);
+                    _mm512_storeu_ps(ah + 16, a1);
+                    _mm512_storeu_ps(ah + 32, a2);
+                    _mm512_storeu_ps(ah + 48, a3);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < n; j++) {
+            const bf16 *vr = v_cache + slot[j] * row + g * D;
+            for (int64_t i = 0; i < D; i++) kv[i] = bf16_to_f32(vr[i]);
+            for (int64_t h = 0; h < G; h++) {
+                const float p = s[h][j];
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) acc[h * D + i] += p * kv[i];
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
+    }
+}
+
+#if defined(__AVX512BF16__)
+#define KEY_TILE 16
+
+/* exp(x) on 16 lanes (fast_exp's polynomial); lanes below -87, -inf included, give 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+/* Lane j = the sum of v[j]'s 16 lanes (a transposing add tree: 30 shuffles, 15 adds). */
+static inline __m512 sum16x16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per lane: keys 4i .. 4i + 3 */
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* lanes: keys 8i..8i+3 twice, then 8i+4..8i+7 twice */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* The softmax of one row's tile of scores `s` (already scaled and capped; invisible lanes -inf) folded
+ * into its running max *m and sum *l; returns the tile's probabilities (exp(s - max)) and sets *corr,
+ * the factor the row's accumulated output must be multiplied by. A tile with no visible key leaves
+ * the row as it was and returns zeros (corr 1). */
+static inline __m512 online_softmax_tile(__m512 s, float *m, float *l, float *corr) {
+    const float tile_max = _mm512_reduce_max_ps(s);
+    *corr = 1.0f;
+    if (tile_max == -INFINITY) return _mm512_setzero_ps();
+    const float mx = tile_max > *m ? tile_max : *m;
+    *corr = fast_exp(*m - mx); /* 0 while the row has seen nothing (m = -inf) */
+    const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx)));
+    *l = *l * *corr + _mm512_reduce_add_ps(p);
+    *m = mx;
+    return p;
+}
+
+/* Scores capped as softcap * tanh(s / softcap) (Gemma 2), lane by lane. */
+static inline __m512 cap_scores(__m512 s, float softcap) {
+    float v[16];
+    _mm512_storeu_ps(v, s);
+    for (int j = 0; j < 16; j++) v[j] = softcap * tanhf(v[j] / softcap);
+    return _mm512_loadu_ps(v);
+}
+
+/* Scores of one query head against KEY_TILE keys: lane j = q . k_j (bf16 products, fp32 sums); keys
+ * at or past n give 0. */
+static inline __attribute__((always_inline)) __m512 tile_scores(const bf16 *q, const bf16 *const *keys, int64_t n,
+                                                               const int64_t D) {
+    __m512 part[KEY_TILE];
+    for (int64_t j = 0; j < KEY_TILE; j++) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < n)
+            for (int64_t i = 0; i < D; i += 32)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + i), (__m512bh)_mm512_loadu_si512(keys[j] + i));
+        part[j] = a;
+    }
+    return sum16x16(part);
+}
+
+/* Head g's D elements at each of n cache slots pulled towards L1. */
+static inline void prefetch_rows(const bf16 *cache, const int64_t *slot, int64_t n, int64_t row, int64_t g, int64_t D) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < D; i += 32) _mm_prefetch((const char *)(cache + slot[j] * row + g * D + i), _MM_HINT_T0);
+}
+
+#define DOT_CHUNK 64 /* keys per softmax update */
+#define HEAD_BLOCK 4 /* query heads whose outputs accumulate in registers together */
+
+/* attend_kv_head on the bf16 dot product: D % 32 == 0, D <= 256. Keys go DOT_CHUNK at a time: scores of
+ * every head (tiles of 16 keys), one softmax update per head, then p . V with the values converted to
+ * fp32 once and HEAD_BLOCK heads' accumulators in registers. */
+static inline __attribute__((always_inline)) void attend_kv_head_dot(
+    const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, int64_t start,
+    int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale,
+    float softcap) {
+    float acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], p[MAX_GROUP][DOT_CHUNK], vbuf[DOT_CHUNK * D];
+    for (int64_t h = 0; h < G; h++) {
+        for (int64_t i = 0; i < D; i++) acc[h * D + i] = 0.0f;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    const __m512 scale_v = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t c0 = start; c0 < len; c0 += DOT_CHUNK) {
+        const int64_t n = (len - c0) < DOT_CHUNK ? (len - c0) : DOT_CHUNK;
+        const int64_t tiles = (n + KEY_TILE - 1) / KEY_TILE;
+        int64_t slot[DOT_CHUNK];
+        const bf16 *keys[DOT_CHUNK];
+        key_slots(table, c0, n, block_size, slot);
+        for (int64_t j = 0; j < n; j++) keys[j] = k_cache + slot[j] * row + g * D;
+        prefetch_rows(v_cache, slot, n, row, g, D); /* this chunk's values, read after the scores */
+        if (c0 + DOT_CHUNK < len) { /* the next chunk's keys */
+            const int64_t nn = (len - c0 - DOT_CHUNK) < DOT_CHUNK ? (len - c0 - DOT_CHUNK) : DOT_CHUNK;
+            int64_t next[DOT_CHUNK];
+            key_slots(table, c0 + DOT_CHUNK, nn, block_size, next);
+            prefetch_rows(k_cache, next, nn, row, g, D);
+        }
+        for (int64_t h = 0; h < G; h++) {
+            __m512 s[DOT_CHUNK / KEY_TILE];
+            __m512 mx_v = minus_inf;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t nt = (n - t * KEY_TILE) < KEY_TILE ? (n - t * KEY_TILE) : KEY_TILE;
+                s[t] = _mm512_mul_ps(tile_scores(q + h * D, keys + t * KEY_TILE, nt, D), scale_v);
+                if (softcap > 0.0f) s[t] = cap_scores(s[t], softcap);
+                s[t] = _mm512_mask_mov_ps(minus_inf, (__mmask16)((1u << nt) - 1u), s[t]);
+                mx_v = _mm512_max_ps(mx_v, s[t]);
+            }
+            const float tile_max = _mm512_reduce_max_ps(mx_v), mx = tile_max > m[h] ? tile_max : m[h];
+            const float corr = fast_exp(m[h] - mx); /* 0 on the first chunk (m = -inf) */
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < tiles; t++) {
+                const __m512 e = exp16(_mm512_sub_ps(s[t], _mm512_set1_ps(mx)));
+                _mm512_storeu_ps(p[h] + t * KEY_TILE, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            l[h] = l[h] * corr + _mm512_reduce_add_ps(sum);
+            m[h] = mx;
+            if (corr != 1.0f)
+                for (int64_t i = 0; i < D; i += 16)
+                    _mm512_storeu_ps(acc + h * D + i, _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + i), _mm512_set1_ps(corr)));
+        }
+        for (int64_t j = 0; j < n; j++) { /* values converted once per chunk */
+            const bf16 *vr = v_cache + slot[j] * row + g * D;
+            for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(vbuf + j * D + i, load16_bf16(vr + i));
+        }
+        for (int64_t h0 = 0; h0 < G; h0 += HEAD_BLOCK) {
+            const int64_t hb = (G - h0) < HEAD_BLOCK ? (G - h0) : HEAD_BLOCK;
+            for (int64_t i = 0; i < D; i += 32) {
+                __m512 a[HEAD_BLOCK][2];
+                for (int64_t h = 0; h < hb; h++) {
+                    a[h][0] = _mm512_loadu_ps(acc + (h0 + h) * D + i);
+                    a[h][1] = _mm512_loadu_ps(acc + (h0 + h) * D + i + 16);
+                }
+                for (int64_t j = 0; j < n; j++) {
+                    const __m512 v0 = _mm512_loadu_ps(vbuf + j * D + i), v1 = _mm512_loadu_ps(vbuf + j * D + i + 16);
+                    for (int64_t h = 0; h < hb; h++) {
+                        const __m512 pj = _mm512_set1_ps(p[h0 + h][j]);
+                        a[h][0] = _mm512_fmadd_ps(pj, v0, a[h][0]);
+                        a[h][1] = _mm512_fmadd_ps(pj, v1, a[h][1]);
+                    }
+                }
+                for (int64_t h = 0; h < hb; h++) {
+                    _mm512_storeu_ps(acc + (h0 + h) * D + i, a[h][0]);
+                    _mm512_storeu_ps(acc + (h0 + h) * D + i + 16, a[h][1]);
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
+    }
+}
+#endif
+
+/* Decode attention over a paged bf16 KV cache, reading the blocks in place.
+ *
+ * q [B, H, D] contiguous; k_cache / v_cache [num_blocks, block_size, KVH, D] (one layer's halves);
+ * block_tables [B, bt_stride] int32; seq_lens [B] int32 (keys of sequence b: positions [start, len),
+ * start = len - window when window > 0 and len > window, else 0). If slots is not NULL, first writes
+ * the new keys / values k_new, v_new [B, KVH, D] (token strides k_stride, v_stride) at slots [B] (int64,
+ * -1 = skip). out [B, H, D] contiguous. Query head h uses KV head h / (H / KVH), H / KVH <= 16.
+ * softcap > 0 caps the scaled scores as softcap * tanh(s / softcap).
+ */
+void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
+                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                 const int64_t *slots, const bf16 *k_new, int64_t k_stride, const bf16 *v_new,
+                                 int64_t v_stride, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                                 int64_t block_size, int64_t window, float scale, float softcap) {
+    const int64_t row = KVH * D; /* elements per cache slot */
+    if (slots) {
+        for (int64_t b = 0; b < B; b++) {
+            if (slots[b] < 0) continue;
+            memcpy(k_cache + slots[b] * row, k_new + b * k_stride, (size_t)row * sizeof(bf16));
+            memcpy(v_cache + slots[b] * row, v_new + b * v_stride, (size_t)row * sizeof(bf16));
+        }
+    }
+    const int64_t G = H / KVH;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += seq_lens[b];
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * H > 16384)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t g = 0; g < KVH; g++) {
+            const int64_t len = seq_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int32_t *table = block_tables + b * bt_stride;
+            const bf16 *qg = q + (b * H + g * G) * D;
+            bf16 *og = out + (b * H + g * G) * D;
+#if defined(__AVX512BF16__)
+            if (D == 64) {
+                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
+                continue;
+            }
+            if (D == 128) {
+                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale,
+                                   softcap);
+                continue;
+            }
+            if (D % 32 == 0 && D <= 256) {
+                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale,
+                                   softcap);
+                continue;
+            }
+#endif
+            switch (D) {
+            case 64:
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
+                break;
+            case 128:
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
+                break;
+            default:
+                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
+            }
+        }
+    }
+}
