@@ -10,17 +10,6 @@
 #define KEY_CHUNK 64
 #define MAX_GROUP 16
 
-/* The cache slots of keys [c0, c0 + n) of a sequence whose blocks are `table` (no division per key). */
-static inline void key_slots(const int32_t *table, int64_t c0, int64_t n, int64_t block_size, int64_t *slot) {
-    for (int64_t j = 0, block = c0 / block_size, offset = c0 % block_size; j < n; j++) {
-        slot[j] = (int64_t)table[block] * block_size + offset;
-        if (++offset == block_size) {
-            offset = 0;
-            block++;
-        }
-    }
-}
-
 /* One (sequence, KV head) of paged decode attention: the G query heads that share KV head g. D is a
  * compile-time constant where this is inlined for a common head size (the inner loops unroll). */
 static inline __attribute__((always_inline)) void attend_kv_head(
@@ -124,25 +113,6 @@ static inline __attribute__((always_inline)) void attend_kv_head(
 #if defined(__AVX512BF16__)
 #define KEY_TILE 16
 
-/* exp(x) on 16 lanes (fast_exp's polynomial); lanes below -87, -inf included, give 0. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
 /* Lane j = the sum of v[j]'s 16 lanes (a transposing add tree: 30 shuffles, 15 adds). */
 static inline __m512 sum16x16(const __m512 v[16]) {
     __m512 t[8], u[4], w[2];
@@ -156,30 +126,6 @@ static inline __m512 sum16x16(const __m512 v[16]) {
         w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-/* The softmax of one row's tile of scores `s` (already scaled and capped; invisible lanes -inf) folded
- * into its running max *m and sum *l; returns the tile's probabilities (exp(s - max)) and sets *corr,
- * the factor the row's accumulated output must be multiplied by. A tile with no visible key leaves
- * the row as it was and returns zeros (corr 1). */
-static inline __m512 online_softmax_tile(__m512 s, float *m, float *l, float *corr) {
-    const float tile_max = _mm512_reduce_max_ps(s);
-    *corr = 1.0f;
-    if (tile_max == -INFINITY) return _mm512_setzero_ps();
-    const float mx = tile_max > *m ? tile_max : *m;
-    *corr = fast_exp(*m - mx); /* 0 while the row has seen nothing (m = -inf) */
-    const __m512 p = exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx)));
-    *l = *l * *corr + _mm512_reduce_add_ps(p);
-    *m = mx;
-    return p;
-}
-
-/* Scores capped as softcap * tanh(s / softcap) (Gemma 2), lane by lane. */
-static inline __m512 cap_scores(__m512 s, float softcap) {
-    float v[16];
-    _mm512_storeu_ps(v, s);
-    for (int j = 0; j < 16; j++) v[j] = softcap * tanhf(v[j] / softcap);
-    return _mm512_loadu_ps(v);
 }
 
 /* Scores of one query head against KEY_TILE keys: lane j = q . k_j (bf16 products, fp32 sums); keys
@@ -236,24 +182,14 @@ static inline __attribute__((always_inline)) void attend_kv_head_dot(
         }
         for (int64_t h = 0; h < G; h++) {
             __m512 s[DOT_CHUNK / KEY_TILE];
-            __m512 mx_v = minus_inf;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t nt = (n - t * KEY_TILE) < KEY_TILE ? (n - t * KEY_TILE) : KEY_TILE;
                 s[t] = _mm512_mul_ps(tile_scores(q + h * D, keys + t * KEY_TILE, nt, D), scale_v);
                 if (softcap > 0.0f) s[t] = cap_scores(s[t], softcap);
                 s[t] = _mm512_mask_mov_ps(minus_inf, (__mmask16)((1u << nt) - 1u), s[t]);
-                mx_v = _mm512_max_ps(mx_v, s[t]);
             }
-            const float tile_max = _mm512_reduce_max_ps(mx_v), mx = tile_max > m[h] ? tile_max : m[h];
-            const float corr = fast_exp(m[h] - mx); /* 0 on the first chunk (m = -inf) */
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t t = 0; t < tiles; t++) {
-                const __m512 e = exp16(_mm512_sub_ps(s[t], _mm512_set1_ps(mx)));
-                _mm512_storeu_ps(p[h] + t * KEY_TILE, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            l[h] = l[h] * corr + _mm512_reduce_add_ps(sum);
-            m[h] = mx;
+            const float corr = softmax_chunk(s, tiles, &m[h], &l[h]);
+            for (int64_t t = 0; t < tiles; t++) _mm512_storeu_ps(p[h] + t * KEY_TILE, s[t]);
             if (corr != 1.0f)
                 for (int64_t i = 0; i < D; i += 16)
                     _mm512_storeu_ps(acc + h * D + i, _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + i), _mm512_set1_ps(corr)));

@@ -64,6 +64,70 @@ static inline float fast_exp(float x) {
     return p * scale.f;
 }
 
+/* The cache slots of keys [c0, c0 + n) of a sequence whose blocks are `table` (no division per key). */
+static inline void key_slots(const int32_t *table, int64_t c0, int64_t n, int64_t block_size, int64_t *slot) {
+    for (int64_t j = 0, block = c0 / block_size, offset = c0 % block_size; j < n; j++) {
+        slot[j] = (int64_t)table[block] * block_size + offset;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* exp(x) on 16 lanes (fast_exp's polynomial); lanes below -87, -inf included, give 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+/* Scores capped as softcap * tanh(s / softcap) (Gemma 2), lane by lane. */
+static inline __m512 cap_scores(__m512 s, float softcap) {
+    float v[16];
+    _mm512_storeu_ps(v, s);
+    for (int j = 0; j < 16; j++) v[j] = softcap * tanhf(v[j] / softcap);
+    return _mm512_loadu_ps(v);
+}
+
+/* One online-softmax update of a row: its next nv vectors of scores s (scaled, capped; invisible lanes
+ * -inf) fold into its running max *m and sum *l and become probabilities exp(s - max); returns the
+ * factor the row's accumulated output must be multiplied by (0 while the row had seen nothing). Scores
+ * with no visible key leave the row as it was: zeros, factor 1. */
+static inline float softmax_chunk(__m512 *s, int64_t nv, float *m, float *l) {
+    __m512 mx_v = s[0];
+    for (int64_t t = 1; t < nv; t++) mx_v = _mm512_max_ps(mx_v, s[t]);
+    const float chunk_max = _mm512_reduce_max_ps(mx_v);
+    if (chunk_max == -INFINITY) {
+        for (int64_t t = 0; t < nv; t++) s[t] = _mm512_setzero_ps();
+        return 1.0f;
+    }
+    const float mx = chunk_max > *m ? chunk_max : *m;
+    const float corr = fast_exp(*m - mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nv; t++) {
+        s[t] = exp16(_mm512_sub_ps(s[t], _mm512_set1_ps(mx)));
+        sum = _mm512_add_ps(sum, s[t]);
+    }
+    *l = *l * corr + _mm512_reduce_add_ps(sum);
+    *m = mx;
+    return corr;
+}
+#endif
+
 /* This thread's share [*begin, *end) of `units` output units, cut in whole multiples of `multiple`
  * (call inside a parallel region; each thread then streams its own contiguous part of the weight). */
 static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin, int64_t *end) {

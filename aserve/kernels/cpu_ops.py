@@ -32,7 +32,8 @@ from aserve.kernels.c_build import log_once as _log_once
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_ops.c", _HERE / "cpu_matmul.c", _HERE / "cpu_attention.c", _HERE / "cpu_decode_step.c")  # all include cpu_common.h
+_SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_attention.c", "cpu_prefill_attention.c",
+                                            "cpu_decode_step.c"))  # all include cpu_common.h
 _HEADER = _HERE / "cpu_common.h"
 
 _BF16 = torch.bfloat16
@@ -48,6 +49,7 @@ _SIGNATURES = {
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
+    "paged_prefill_attention_bf16": (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
 }
 
 
@@ -101,6 +103,8 @@ class CpuKernels:
         self._silu = library.silu_and_mul_bf16
         self._gelu_tanh = library.gelu_tanh_and_mul_bf16
         self._attend = library.paged_decode_attention_bf16
+        self._attend_prefill = library.paged_prefill_attention_bf16
+        self._attend_prefill.restype = ctypes.c_int64
         self._linear = library.linear_bf16
         self._linear_vnni = library.linear_vnni_bf16
         self._linear_vnni.restype = ctypes.c_int64
@@ -306,3 +310,34 @@ class CpuKernels:
                      new[3], new[4], num_seqs, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0,
                      scale, softcap or 0.0)
         return out
+
+    def paged_prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, seqs: tuple[int, int],
+                                out: torch.Tensor, scale: float, sliding_window: int | None = None,
+                                softcap: float | None = None) -> bool:
+        """Causal attention of the queries of sequences `seqs = (first, end)` into their rows of `out`.
+
+        Sequence s's queries are rows `[query_start_loc[s], query_start_loc[s + 1])` of q `[T, H, D]`
+        (heads packed, any token stride), the last of its `seq_lens[s]` positions, whose K/V (its new
+        ones included) are in the layer's contiguous cache `[2, blocks, block_size, KVH, D]` through
+        `block_tables[s]` (int32 rows, unit stride); a query at position p sees keys in
+        `(p - sliding_window, p]`. `out` `[T, H, D]` contiguous. `query_start_loc` / `seq_lens`: contiguous
+        int32. Returns False, with nothing written, where the kernel does not apply (no AVX512-BF16, head
+        size not a multiple of 32 or above 256, more than 64 query heads a KV head); the caller then
+        attends another way."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        first, end = seqs
+        if (q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous() or not out.is_contiguous()
+                or kv_cache.shape[4] != head_dim or out.shape != q.shape or num_heads % num_kv_heads
+                or block_tables.stride(1) != 1 or block_tables.shape[0] < end or seq_lens.shape[0] < end
+                or query_start_loc.shape[0] <= end or not query_start_loc.is_contiguous()
+                or not seq_lens.is_contiguous() or query_start_loc.dtype != torch.int32
+                or seq_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
+            raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
+        cache = kv_cache.data_ptr()
+        half = kv_cache.stride(0) * kv_cache.element_size()
+        return self._attend_prefill(q.data_ptr(), q.stride(0), out.data_ptr(), cache, cache + half,
+                                    block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(),
+                                    seq_lens.data_ptr(), first, end, num_heads, num_kv_heads, head_dim,
+                                    kv_cache.shape[2], sliding_window or 0, scale, softcap or 0.0) == 0

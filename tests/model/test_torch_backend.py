@@ -58,8 +58,7 @@ def _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad=0, seed=
 
 
 def _check(q_lens, contexts, block_size=16, num_heads=6, num_kv_heads=2, num_pad=0, sliding_window=None,
-           dtype=torch.float32, backend=None):
-    head_dim = 16
+           dtype=torch.float32, backend=None, head_dim=16):
     cache, meta, k, v, full_k, full_v = _step(block_size, num_kv_heads, head_dim, contexts, q_lens, num_pad,
                                               seed=block_size)
     q = torch.randn(meta.num_tokens + num_pad, num_heads, head_dim)
@@ -113,6 +112,26 @@ def test_bf16_cache_with_and_without_the_c_decode_kernel(case, c_kernel):
     if not c_kernel:
         backend._kernels = None
     _check(**case, dtype=torch.bfloat16, backend=backend)
+
+
+@pytest.mark.parametrize("case", [
+    {"q_lens": [1, 1, 1, 9, 20, 5], "contexts": [40, 3, 16, 23, 0, 0]},
+    {"q_lens": [1, 1, 7], "contexts": [10, 5, 0], "num_pad": 5},
+    {"q_lens": [1, 1, 6, 30], "contexts": [40, 3, 20, 0], "sliding_window": 7, "block_size": 8},
+])
+def test_bf16_prefills_attend_in_the_c_prefill_kernel(case, monkeypatch):
+    backend = TorchAttentionBackend()
+    if backend._kernels is None or not backend._kernels.native_bf16_dot:
+        pytest.skip("no C kernels with the bf16 dot product here")
+    kernel, calls = backend._kernels.paged_prefill_attention, []
+
+    def counted(*args, **kwargs):
+        calls.append(kernel(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(backend._kernels, "paged_prefill_attention", counted)  # the shared, cached kernels
+    _check(**case, dtype=torch.bfloat16, backend=backend, head_dim=32)  # head size 32: the kernel takes it
+    assert calls == [True]
 
 
 def test_step_plan_is_shared_by_layers_and_rebuilt_for_each_forward():

@@ -38,7 +38,8 @@ class TorchAttentionBackend:
     """Writes K/V with `reshape_and_cache`, then runs all decodes as one batched masked SDPA and each
     prefill/extend sequence as its own (offset-)causal SDPA. With a bf16 cache on the CPU, where the
     C kernels are built (`aserve.kernels.cpu_ops`), decodes instead attend in one kernel call that
-    reads the blocks in place (a decode-only step also writes its K/V there).
+    reads the blocks in place (a decode-only step also writes its K/V there), and so do all of a step's
+    prefills where the CPU has the bf16 dot product.
 
     Shapes come from the metadata's host lists, so it never syncs with the device except to check
     for skipped (-1) slots once per step. A compiled decode passes `DecodeInputs` instead of the
@@ -101,7 +102,13 @@ class TorchAttentionBackend:
         num_decodes = meta.num_decodes
         if num_decodes == q.shape[0] and not plan.prefills:  # decodes only, no padding rows
             return self._decode(q, kv_cache, plan, scale, k_scale, v_scale, logit_softcap)
-        out = torch.empty_like(q) if q.shape[0] == num_tokens else torch.zeros_like(q)  # padding rows: 0
+        # contiguous whatever q's strides; padding rows 0
+        out = q.new_empty(q.shape) if q.shape[0] == num_tokens else q.new_zeros(q.shape)
+        prefills = plan.prefills
+        if prefills and kernels is not None and kernels.accepts(q, kv_cache) and kernels.paged_prefill_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, (num_decodes, meta.num_seqs),
+                out, scale, sliding_window, logit_softcap):
+            prefills = []  # attended in place by the C kernel
         if num_decodes and use_kernel:
             out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes].contiguous(), kv_cache,
                                                                meta.block_tables, meta.seq_lens, scale, sliding_window,
@@ -109,7 +116,7 @@ class TorchAttentionBackend:
         elif num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, plan, scale, k_scale, v_scale,
                                              logit_softcap)
-        for seq in plan.prefills:
+        for seq in prefills:
             keys, values = self._gather(kv_cache, seq.block_ids, 1, q.dtype, k_scale, v_scale)
             out[seq.q_start:seq.q_end] = reference.attend_prefill(
                 q[seq.q_start:seq.q_end], keys[0, :seq.seq_len], values[0, :seq.seq_len], seq.mask, scale,
