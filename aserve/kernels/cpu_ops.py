@@ -325,15 +325,19 @@ class CpuKernels:
         int32. Returns False, with nothing written, where the kernel does not apply (no AVX512-BF16, head
         size not a multiple of 32 or above 256, more than 64 query heads a KV head); the caller then
         attends another way."""
+        first, end = seqs
+        if (q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not 0 <= first <= end
+                or any(t.dtype != _BF16 for t in (q, kv_cache, out))
+                or any(t.dtype != torch.int32 for t in (block_tables, seq_lens, query_start_loc))):
+            raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = kv_cache.shape[3]
-        first, end = seqs
         if (q.stride(2) != 1 or q.stride(1) != head_dim or not kv_cache.is_contiguous() or not out.is_contiguous()
                 or kv_cache.shape[4] != head_dim or out.shape != q.shape or num_heads % num_kv_heads
                 or block_tables.stride(1) != 1 or block_tables.shape[0] < end or seq_lens.shape[0] < end
                 or query_start_loc.shape[0] <= end or not query_start_loc.is_contiguous()
-                or not seq_lens.is_contiguous() or query_start_loc.dtype != torch.int32
-                or seq_lens.dtype != torch.int32 or block_tables.dtype != torch.int32):
+                or not seq_lens.is_contiguous() or int(query_start_loc[end]) > q.shape[0]
+                or (end > first and int(seq_lens[first:end].max()) > block_tables.shape[1] * kv_cache.shape[2])):
             raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
         cache = kv_cache.data_ptr()
         half = kv_cache.stride(0) * kv_cache.element_size()

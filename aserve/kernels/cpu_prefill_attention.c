@@ -19,8 +19,12 @@
 static void pack_tile(const bf16 *k_cache, const bf16 *v_cache, const int64_t *slot, int64_t n, int64_t row,
                       int64_t g, int64_t D, uint32_t *kp, uint32_t *vp) {
     for (int64_t j = 0; j < PREFILL_KEYS; j++) {
-        const uint32_t *kr = (const uint32_t *)(k_cache + slot[j < n ? j : 0] * row + g * D);
-        for (int64_t p = 0; p < D / 2; p++) kp[p * PREFILL_KEYS + j] = j < n ? kr[p] : 0u;
+        const bf16 *kr = k_cache + slot[j < n ? j : 0] * row + g * D;
+        for (int64_t p = 0; p < D / 2; p++) {
+            uint32_t pair = 0u;
+            if (j < n) memcpy(&pair, kr + 2 * p, sizeof(pair));
+            kp[p * PREFILL_KEYS + j] = pair;
+        }
     }
     for (int64_t i = 0; i < PREFILL_KEYS / 2; i++) {
         const int64_t a = 2 * i, b = 2 * i + 1;

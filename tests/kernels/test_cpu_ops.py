@@ -208,7 +208,9 @@ def _reference_decode(q, kv_cache, block_tables, seq_lens, scale, window, softca
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (16, 1, 80), (6, 2, 40)])
+# (16, 1, 96) and (10, 2, 256): the bf16-dot path with a generic head size, a full block of 4 heads and a rest
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (16, 1, 80), (6, 2, 40), (16, 1, 96),
+                                                    (10, 2, 256)])
 @pytest.mark.parametrize("window", [None, 21])
 def test_paged_decode_attention(kernels, heads, kv_heads, head_dim, window):
     gen = torch.Generator().manual_seed(9)

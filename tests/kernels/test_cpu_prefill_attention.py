@@ -59,12 +59,15 @@ def _reference(q, cache, tables, seq_lens, starts, first, scale, window=None, so
     return want
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (16, 1, 32), (8, 2, 96)])
+# 20 query heads a KV head: 3 tokens a work item; head size 256: the largest buffers
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (16, 1, 32), (8, 2, 96), (20, 1, 64),
+                                                    (4, 2, 256)])
 @pytest.mark.parametrize("window", [None, 21])
-def test_prefills_and_extends_match_the_reference(kernels, heads, kv_heads, head_dim, window):
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_prefills_and_extends_match_the_reference(kernels, heads, kv_heads, head_dim, window, block_size):
     # a whole prompt, an extend (chunked prefill / prefix hit), one query token, an empty row, past 32 keys
     query_lens, seq_lens = [70, 9, 1, 0, 33], [70, 50, 17, 5, 100]
-    q, cache, tables, lens, starts = _batch(query_lens, seq_lens, heads, kv_heads, head_dim)
+    q, cache, tables, lens, starts = _batch(query_lens, seq_lens, heads, kv_heads, head_dim, block_size)
     out = torch.full_like(q, 7.0)
     scale = head_dim**-0.5
     assert kernels.paged_prefill_attention(q, cache, tables, lens, starts, (0, 5), out, scale, window)
@@ -100,8 +103,12 @@ def test_it_declines_what_it_does_not_cover(kernels):
     out = torch.full_like(q, 7.0)
     assert not kernels.paged_prefill_attention(q, cache, tables, lens, starts, (0, 1), out, 0.2)
     assert bool((out == 7.0).all())
+    q, cache, tables, lens, starts = _batch([5], [5], 65, 1, 32)  # 65 query heads a KV head: past one item
+    assert not kernels.paged_prefill_attention(q, cache, tables, lens, starts, (0, 1), torch.empty_like(q), 0.2)
     with pytest.raises(ValueError, match="paged_prefill_attention"):
         kernels.paged_prefill_attention(q, cache, tables, lens.long(), starts, (0, 1), out, 0.2)
+    with pytest.raises(ValueError, match="paged_prefill_attention"):  # query rows past the end of q
+        kernels.paged_prefill_attention(q, cache, tables, lens, starts + 1, (0, 1), torch.empty_like(q), 0.2)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 builds")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -12,11 +13,23 @@ from aserve.model.attention.base import AttentionMetadata, DecodeInputs
 
 @dataclass
 class _PrefillSeq:
+    """One prefill / extend sequence; its block ids and mask are made on first use (the C prefill
+    kernel needs neither)."""
+
     q_start: int
     q_end: int
     seq_len: int
-    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
-    mask: torch.Tensor | None  # see reference.prefill_mask
+    table: torch.Tensor  # int32: its row of the block table
+    block_size: int
+    window: int | None
+
+    @functools.cached_property
+    def block_ids(self) -> torch.Tensor:  # int64 [ceil(seq_len / block_size)]
+        return self.table[: -(-self.seq_len // self.block_size)].to(torch.int64)
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:  # see reference.prefill_mask
+        return reference.prefill_mask(self.q_end - self.q_start, self.seq_len, self.window, self.table.device)
 
 
 @dataclass
@@ -90,7 +103,7 @@ class TorchAttentionBackend:
         block_size = kv_cache.shape[2]
         plan = self._plans.get(sliding_window) if meta is self._step_meta else None
         if plan is None or plan.block_size != block_size:
-            plan = _make_plan(meta, block_size, q.device, sliding_window)
+            plan = _make_plan(meta, block_size, sliding_window)
             if meta is self._step_meta:
                 self._plans[sliding_window] = plan
         if plan.valid_rows is None:
@@ -105,9 +118,10 @@ class TorchAttentionBackend:
         # contiguous whatever q's strides; padding rows 0
         out = q.new_empty(q.shape) if q.shape[0] == num_tokens else q.new_zeros(q.shape)
         prefills = plan.prefills
-        if prefills and kernels is not None and kernels.accepts(q, kv_cache) and kernels.paged_prefill_attention(
+        if (prefills and kernels is not None and kernels.accepts(q, kv_cache) and q.stride(1) == q.shape[2]
+                and kv_cache.is_contiguous() and kernels.paged_prefill_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, (num_decodes, meta.num_seqs),
-                out, scale, sliding_window, logit_softcap):
+                out, scale, sliding_window, logit_softcap)):
             prefills = []  # attended in place by the C kernel
         if num_decodes and use_kernel:
             out[:num_decodes] = kernels.paged_decode_attention(q[:num_decodes].contiguous(), kv_cache,
@@ -150,8 +164,7 @@ class TorchAttentionBackend:
         return pair
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
-               sliding_window: int | None) -> _StepPlan:
+def _make_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> _StepPlan:
     num_tokens = meta.num_tokens
     slots = meta.slot_mapping[:num_tokens].to(torch.int64)
     valid_rows = None
@@ -171,9 +184,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device,
         q_start, q_end, seq_len = starts[i], starts[i + 1], meta.seq_lens_cpu[i]
         if q_end == q_start:
             continue
-        block_ids = meta.block_tables[i, : -(-seq_len // block_size)].to(torch.int64)
-        mask = reference.prefill_mask(q_end - q_start, seq_len, sliding_window, device)
-        prefills.append(_PrefillSeq(q_start, q_end, seq_len, block_ids, mask))
+        prefills.append(_PrefillSeq(q_start, q_end, seq_len, meta.block_tables[i], block_size, sliding_window))
     return _StepPlan(block_size, slots, valid_rows, decode_block_ids, decode_mask, decode_len, prefills)
 
 
