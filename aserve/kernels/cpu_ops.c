@@ -1,7 +1,7 @@
 /* aserve's CPU kernels for bf16 activations: the decode step's small ops, one call each (residual add +
  * RMSNorm, rotary, SiLU / GELU-and-mul). Matrix products are in cpu_matmul.c, attention in
- * cpu_attention.c. Built and
- * loaded by cpu_ops.py, which checks shapes; these functions trust their input.
+ * cpu_attention.c and cpu_prefill_attention.c. Built and loaded by cpu_ops.py, which checks shapes;
+ * these functions trust their input.
  */
 #include "cpu_common.h"
 
