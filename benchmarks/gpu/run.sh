@@ -39,9 +39,9 @@ print(f'device copy: {2 * x.numel() * 4 / ms / 1e9:.0f} GB/s (read + write of 4 
 pack_logs() { tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2> /dev/null; }
 
 stage_gpu_tests() {
-  timeout 200 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 150 -rfE -m gpu tests > "$LOGS/gpu_marked.log" 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 120 -rfE -m gpu tests > "$LOGS/gpu_marked.log" 2>&1
   echo "- gpu-marked tests (exit $?): $(tail -1 "$LOGS/gpu_marked.log")" >> "$RESULTS"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 150 -rfE tests/kernels tests/model/layers \
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 100 -rfE tests/kernels tests/model/layers \
     tests/model/attention > "$LOGS/kernel_tests.log" 2>&1
   echo "- kernel, layer and attention tests on CUDA (exit $?): $(tail -1 "$LOGS/kernel_tests.log")" >> "$RESULTS"
 }
