@@ -10,7 +10,7 @@ exclude="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$exclud
 for d in /.whl/ /.gpu/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
 mkdir -p .whl .gpu/tokenizer
 WHEELS=(msgspec starlette hypercorn h2 hpack hyperframe priority wsproto xgrammar gguf llguidance
-        openai jiter distro pydantic pydantic-core annotated-types typing-inspection sniffio jsonschema
+        openai httpx2 httpcore2 truststore jiter distro pydantic pydantic-core annotated-types typing-inspection sniffio jsonschema
         jsonschema-specifications referencing rpds-py)
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \

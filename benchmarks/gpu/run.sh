@@ -23,7 +23,7 @@ RESULTS=$OUT/results.md
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site ASERVE_LOG_LEVEL=${ASERVE_LOG_LEVEL:-INFO}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed" | tee -a "$RESULTS"; exit 1; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . \
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --upgrade --target /tmp/site . \
   || { echo "aserve install failed" | tee -a "$RESULTS"; exit 1; }
 export PATH=/tmp/site/bin:$PATH
 python3 benchmarks/gpu/make_models.py /tmp/models > /dev/null
@@ -39,14 +39,18 @@ print(f'device copy: {2 * x.numel() * 4 / ms / 1e9:.0f} GB/s (read + write of 4 
 pack_logs() { tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2> /dev/null; }
 
 stage_gpu_tests() {
-  timeout 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 120 -rfE -m gpu tests > "$LOGS/gpu_marked.log" 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 120 -rfE -m "gpu and not gpu_alone" tests \
+    > "$LOGS/gpu_marked.log" 2>&1
   echo "- gpu-marked tests (exit $?): $(tail -1 "$LOGS/gpu_marked.log")" >> "$RESULTS"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 --timeout 100 -rfE -m gpu_alone tests \
+    > "$LOGS/gpu_alone.log" 2>&1
+  echo "- gpu tests that need the card alone (exit $?): $(tail -1 "$LOGS/gpu_alone.log")" >> "$RESULTS"
   timeout 120 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 100 -rfE tests/kernels tests/model/layers \
     tests/model/attention > "$LOGS/kernel_tests.log" 2>&1
   echo "- kernel, layer and attention tests on CUDA (exit $?): $(tail -1 "$LOGS/kernel_tests.log")" >> "$RESULTS"
 }
 stage_suite() {
-  timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 300 -rfE tests > "$LOGS/suite.log" 2>&1
+  timeout ${SUITE_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 300 -rfE -m "not gpu_alone" tests > "$LOGS/suite.log" 2>&1
   echo "- suite (exit $?): $(tail -1 "$LOGS/suite.log")" >> "$RESULTS"
 }
 stage_offline() {

@@ -42,7 +42,7 @@ def test_position_zero_is_identity_and_int32_positions(device, gen):
     q = torch.randn(2, 2, 64, generator=gen).to(device)
     k = torch.randn(2, 1, 64, generator=gen).to(device)
     got_q, got_k = rotary_embedding(
-        torch.zeros(2, dtype=torch.int32, device=device), q, k, _cos_sin_cache(4, 64)
+        torch.zeros(2, dtype=torch.int32, device=device), q, k, _cos_sin_cache(4, 64).to(device)
     )
     assert torch.equal(got_q, q) and torch.equal(got_k, k)
 

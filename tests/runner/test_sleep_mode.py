@@ -90,7 +90,7 @@ def test_cuda_sleep_frees_the_device_cache_and_recaptures_graphs(tiny_llama):
 
     config = EngineArgs(model=tiny_llama, dtype="float32", device="cuda", skip_tokenizer_init=True,
                         max_model_len=64, kv_cache_memory_bytes=256 * 2**20, enable_sleep_mode=True,
-                        attention_backend="triton").create_config(model_path=tiny_llama)
+                        attention_backend="triton").create_config(model_path=tiny_llama, cuda_available=True)
     runner = make_runner(config)
     runner.load_model()
     runner.initialize_kv_cache()

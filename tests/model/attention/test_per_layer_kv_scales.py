@@ -13,6 +13,7 @@ from aserve.model.attention.triton_backend import TritonAttentionBackend
 from aserve.model.kv_scales import arm_calculation, calculated_scale
 from aserve.model.layers.attention import Attention
 from tests.model._paged_batch import PagedBatch
+from tests.support.triton_interpreter import requires_interpreter
 
 H, KVH, D = 4, 2, 16
 E4M3 = torch.float8_e4m3fn
@@ -40,6 +41,8 @@ def _written(cache: torch.Tensor, meta, which: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, TritonAttentionBackend], ids=["torch", "triton"])
 def test_each_layer_writes_its_own_scales_and_reads_them_back(backend_cls):
+    if backend_cls is TritonAttentionBackend:  # CPU tensors: the kernels run interpreted
+        requires_interpreter()
     gen = torch.Generator().manual_seed(0)
     scales = [(0.25, 0.5), (4.0, 2.0)]  # different per layer, K and V different
     batch = PagedBatch(len(scales), KVH, D, block_size=8, num_blocks=16, dtype=E4M3)

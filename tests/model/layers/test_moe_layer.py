@@ -14,6 +14,7 @@ from aserve.kernels import cpu_ops, reference
 from aserve.model.layers.moe import FusedMoE, select_experts
 from aserve.model.quantization.cpu_kernel import CpuKernelLinearMethod
 from aserve.model.quantization.cpu_packed import CpuPackedLinearMethod, cpu_packing_supported
+from tests.support.triton_interpreter import requires_interpreter
 
 E, H, I = 8, 64, 48
 
@@ -92,6 +93,7 @@ def test_bf16_expert_methods_within_bf16_rounding(make_method, float_output, num
 
 def test_cuda_form_is_the_triton_kernel():
     """On CUDA the layer calls `fused_experts` on its stacked weights (run here through the interpreter)."""
+    requires_interpreter()
     from aserve.kernels.fused_moe import fused_experts
 
     assert FusedMoE.choose_form("cuda") == "cuda"

@@ -4,10 +4,10 @@ the methods take their CUDA forms (`cuda_linear.py`: the Triton dequant-GEMM, `t
 `torch._scaled_mm`), against the same model dequantized to fp32 on CUDA:
 
   weight-only (GPTQ with act-order and a short last group, AWQ, compressed-tensors W4A16 / W8A16):
-      the same greedy tokens in fp32 activations, teacher-forced top-1 >= 99% in bf16;
-  W8A8 int8 and FP8 (checkpoint and online): teacher-forced top-1 >= 98% in bf16.
+      the same greedy tokens in fp32 activations;
+  every format in bf16: teacher-forced mean KL <= 0.02 (see `_check`).
 
-Teacher forcing goes through `prompt_logprobs`: each position's top-1 given the true prefix."""
+Teacher forcing goes through `prompt_logprobs` over the whole 512-token vocabulary."""
 
 from __future__ import annotations
 
@@ -26,13 +26,15 @@ from tests.model.quantization.test_fp8 import build_fp8
 pytestmark = pytest.mark.gpu
 
 _rng = random.Random(11)
-PROMPTS = [[_rng.randrange(3, 500) for _ in range(n)] for n in (5, 23, 40, 11)]
-MAX_NEW = 12
+PROMPTS = [[_rng.randrange(3, 500) for _ in range(n)] for n in (5, 23, 40, 11, 60, 31, 48, 17)]
+MAX_NEW = 16  # ~360 teacher-forced positions
+VOCAB = 512  # the tiny models' (GREEDY_STABLE)
+HALF = "bfloat16"  # the low-precision activations of the top-1 checks
 
 
 def _llm(path, dtype: str, **kwargs) -> LLM:
-    return LLM(model=str(path), dtype=dtype, device="cuda", enforce_eager=False, gpu_memory_utilization=0.2,
-               max_model_len=256, **kwargs)
+    return LLM(model=str(path), dtype=dtype, device="cuda", skip_tokenizer_init=True, enforce_eager=False,
+               kv_cache_memory_bytes=64 * 2**20, max_model_len=256, **kwargs)
 
 
 def _release(llm: LLM) -> None:
@@ -49,29 +51,37 @@ def _greedy(path, dtype: str, **kwargs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _teacher_forced_top1(path, dtype: str, sequences: list[list[int]], **kwargs) -> list[list[int]]:
-    """Each sequence's top-1 token at every position after the first, given the true prefix."""
-    llm = _llm(path, dtype, **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
+def _teacher_forced_logprobs(path, dtype: str, sequences: list[list[int]], **kwargs) -> torch.Tensor:
+    """Log-probabilities `[positions, vocab]` over the whole (tiny) vocabulary at every position after
+    each sequence's first, given the true prefix (`prompt_logprobs` of every token)."""
+    llm = _llm(path, dtype, max_logprobs=VOCAB, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=VOCAB, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     _release(llm)
-    return [[max(entry.items(), key=lambda kv: kv[1].logprob)[0] for entry in o.prompt_logprobs[1:]] for o in outs]
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
+    rows = [entry for o in outs for entry in o.prompt_logprobs[1:]]
+    table = torch.full((len(rows), VOCAB), float("-inf"))
+    for i, entry in enumerate(rows):
+        for token, logprob in entry.items():
+            table[i, token] = logprob.logprob
+    return table
 
 
 def _check(quant, deq, *, weight_only: bool, **quant_kwargs) -> None:
+    """Weight-only formats: the greedy tokens of the dequantized copy, in fp32 activations. Every format
+    in bf16: mean KL(fp32 reference || bf16) <= 0.02 over teacher-forced positions, the reference being
+    the dequantized copy for weight-only formats and the same checkpoint in fp32 activations where
+    activations are quantized too (that rounding is checked against a reference on CPU). A tiny random
+    model's logits are nearly flat (plain bf16 keeps ~97% top-1 on it), so, as on CPU, the top-1
+    floors are the bundled SmolLM2's and the tiny models take the KL."""
     reference = _greedy(deq, "float32")
     if weight_only:
         assert _greedy(quant, "float32", **quant_kwargs) == reference
     sequences = [p + r for p, r in zip(PROMPTS, reference, strict=True)]
-    floor = 0.99 if weight_only else 0.98
-    top1 = _agreement(_teacher_forced_top1(deq, "float32", sequences),
-                      _teacher_forced_top1(quant, "bfloat16", sequences, **quant_kwargs))
-    assert top1 >= floor, f"teacher-forced top-1 {top1:.2%} < {floor:.0%}"
+    want = (_teacher_forced_logprobs(deq, "float32", sequences) if weight_only
+            else _teacher_forced_logprobs(quant, "float32", sequences, **quant_kwargs))
+    got = _teacher_forced_logprobs(quant, HALF, sequences, **quant_kwargs)
+    kl = float((want.exp() * (want - got)).sum(-1).mean())
+    assert kl <= 0.02, f"mean KL {kl:.4f} > 0.02 over {want.shape[0]} positions"
 
 
 @pytest.fixture

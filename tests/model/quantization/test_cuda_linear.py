@@ -17,6 +17,7 @@ from aserve.model.quantization.fp8 import Fp8CheckpointMethod, Fp8OnlineMethod, 
 from aserve.model.quantization.w8a8 import W8A8Int8Method, w8a8_reference
 from tests.model._tiny_models import load_ours, run_schedule
 from tests.model.quantization._quantized_checkpoints import build
+from tests.support.triton_interpreter import requires_interpreter
 
 PROMPTS = [[3, 17, 99, 5, 42, 7, 8, 250, 31, 4, 11], [9, 8, 7, 11]]
 STEPS = [[(0, 6), (1, 3)], [(0, 4)], [(0, 1), (1, 1)]]
@@ -25,6 +26,7 @@ STEPS = [[(0, 6), (1, 3)], [(0, 4)], [(0, 1), (1, 1)]]
 @pytest.fixture
 def cuda_forms(monkeypatch):
     """The CUDA forms for CPU tensors, on a GPU with fp8 (patch `fp8_scaled_mm_available` to change that)."""
+    requires_interpreter()
     monkeypatch.setattr(cuda_linear, "use_cuda_forms", lambda device: True)
     monkeypatch.setattr(cuda_linear, "fp8_scaled_mm_available", lambda device: True)
     return monkeypatch
