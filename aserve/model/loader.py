@@ -156,20 +156,27 @@ def settle_kv_scales(model: nn.Module, config: AserveConfig, parallel: ParallelC
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter with uniform noise in [-1e-3, 1e-3], norm weights around their layer's
-    `identity_weight` (1 for RMSNorm / LayerNorm, 0 for Gemma's `1 + w`), reproducibly."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    `identity_weight` (1 for RMSNorm / LayerNorm, 0 for Gemma's `1 + w`), reproducibly on a given device.
+    The noise is drawn where the parameter lives, by one generator per device seeded with `seed` (an
+    8B model's billions of draws on a GPU take a fraction of a second; on the host they took a minute)."""
+    generators: dict[torch.device, torch.Generator] = {}
     modules = dict(model.named_modules())
     seen: set[int] = set()
     for name, param in model.named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
-        noise = torch.rand(param.shape, generator=gen, dtype=torch.float32) * (2 * _DUMMY_RANGE) - _DUMMY_RANGE
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        noise = torch.rand(param.shape, generator=generators[device], dtype=torch.float32, device=device)
+        noise.mul_(2 * _DUMMY_RANGE).sub_(_DUMMY_RANGE)
         owner, leaf = name.rsplit(".", 1)
         module = modules[owner]
         if leaf == "weight" and isinstance(module, NORM_LAYERS):
             noise += module.identity_weight
         param.data.copy_(noise)
+        del noise
 
 
 def weight_files(model_path: str, load_format: str,
