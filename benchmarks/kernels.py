@@ -4,7 +4,10 @@
     python benchmarks/kernels.py --only decode   # one kernel family
     python benchmarks/kernels.py --smoke         # CPU through the Triton interpreter: tiny shapes, errors only
 
-On CUDA it reports the median time (triton.testing.do_bench), the achieved bandwidth (the bytes
+On CUDA it reports the median time of each call replayed in a CUDA graph (triton.testing.do_bench_cudagraph:
+what the served model's decode graphs pay, without the Python wrapper's and Triton's launch cost, which
+the first H200 run showed dominating the split-context decode timings; `--eager` times plain calls with
+do_bench instead; a call that cannot be captured falls back to do_bench, marked `*`), the achieved bandwidth (the bytes
 each op must move at least, over its time) and the max error against the reference. Without
 CUDA it says that timing needs a GPU and exits 0; `--smoke` instead runs every case once at
 tiny shapes through the interpreter to check the harness and the kernels agree with the reference.
@@ -27,7 +30,7 @@ from aserve.kernels.paged_prefill_attention import paged_prefill_attention
 from aserve.kernels.reshape_and_cache import reshape_and_cache
 from aserve.kernels.rms_norm import rms_norm
 from aserve.kernels.rotary import rotary_embedding
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 
 @dataclass
@@ -206,6 +209,19 @@ FAMILIES = {
 }
 
 
+def _time(fn: Callable[[], object], eager: bool) -> tuple[float, str]:
+    """Median milliseconds of `fn`: replayed in a CUDA graph unless `eager` (or when capture fails: then
+    plain calls, marked '*')."""
+    if not eager:
+        try:
+            fn()  # compile outside the capture
+            torch.cuda.synchronize()
+            return do_bench_cudagraph(fn, rep=50, return_mode="median"), ""
+        except RuntimeError:
+            torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=100, return_mode="median"), ("" if eager else "*")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -213,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=sorted(FAMILIES), action="append", help="kernel families to run")
     parser.add_argument("--dtype", choices=["float16", "bfloat16"], default="bfloat16")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, errors only")
+    parser.add_argument("--eager", action="store_true", help="time plain calls (do_bench) instead of CUDA graph replays")
     args = parser.parse_args(argv)
 
     if not args.smoke and not torch.cuda.is_available():
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     if not args.smoke:
-        print(f"# {torch.cuda.get_device_name(device)}, {dtype}, times in microseconds (median of do_bench)")
+        print(f"# {torch.cuda.get_device_name(device)}, {dtype}, times in microseconds (median of " + ("do_bench" if args.eager else "CUDA graph replays") + ")")
     for family in args.only or list(FAMILIES):
         for case in FAMILIES[family](device, dtype, args.smoke, gen):
             error = case.max_error()
@@ -236,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cells = []
             for name, fn in case.contenders.items():
-                ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-                cells.append(f"{name} {ms * 1e3:8.1f}us {case.num_bytes / ms / 1e6:7.1f}GB/s")
+                ms, mark = _time(fn, args.eager)
+                cells.append(f"{name}{mark} {ms * 1e3:8.1f}us {case.num_bytes / ms / 1e6:7.1f}GB/s")
             print(f"{case.kernel:18s} {case.shape:50s} err={error:.1e} | " + " | ".join(cells))
     return 0
 
