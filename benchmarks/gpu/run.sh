@@ -34,7 +34,7 @@ import torch
 from triton.testing import do_bench
 x = torch.empty(2**30, dtype=torch.float32, device='cuda'); y = torch.empty_like(x)
 ms = do_bench(lambda: y.copy_(x))
-print(f'device copy: {2 * x.numel() * 4 / ms / 1e9:.0f} GB/s (read + write of 4 GiB)')"; } >> "$RESULTS"
+print(f'device copy: {2 * x.numel() * 4 / (ms * 1e-3) / 1e12:.2f} TB/s (read + write of 4 GiB each way)')"; } >> "$RESULTS"
 
 pack_logs() { tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2> /dev/null; }
 
