@@ -176,7 +176,6 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if leaf == "weight" and isinstance(module, NORM_LAYERS):
             noise += module.identity_weight
         param.data.copy_(noise)
-        del noise
 
 
 def weight_files(model_path: str, load_format: str,

@@ -29,7 +29,7 @@ _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(3, 500) for _ in range(n)] for n in (5, 23, 40, 11, 60, 31, 48, 17)]
 MAX_NEW = 16  # ~360 teacher-forced positions
 VOCAB = 512  # the tiny models' (GREEDY_STABLE)
-HALF = "bfloat16"  # the low-precision activations of the top-1 checks
+HALF = "bfloat16"  # the low-precision activations of the KL checks
 
 
 def _llm(path, dtype: str, **kwargs) -> LLM:
