@@ -149,6 +149,12 @@ void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const voi
 void rotary_neox_bf16(const bf16 *q, int64_t q_stride, const bf16 *k, int64_t k_stride, const bf16 *cos_sin,
                       bf16 *q_out, bf16 *k_out, int64_t tokens, int64_t q_heads, int64_t k_heads,
                       int64_t head_dim, int64_t half);
+void add_layer_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,
+                         int64_t residual_f32, const bf16 *weight, const bf16 *bias, bf16 *out, float *sum_out,
+                         int64_t rows, int64_t n, float eps);
+/* Activations by number (act_bf16 and the decode step's layers): gated ones take [rows, 2n] (gate | up). */
+enum { ACT_SILU_AND_MUL = 0, ACT_GELU_TANH_AND_MUL = 1, ACT_GELU_TANH = 2, ACT_RELU = 3, ACT_GELU = 4 };
+void act_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n, int64_t kind);
 void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n);
 void gelu_tanh_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n);
 void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
@@ -158,6 +164,8 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
                                  int64_t block_size, int64_t window, float scale, float softcap);
 int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
                          int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32);
+void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bias, void *y, int64_t y_stride,
+                 int64_t M, int64_t N, int64_t K, int64_t y_f32);
 int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
                          const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
                          int64_t K, int64_t y_f32, int64_t gs);

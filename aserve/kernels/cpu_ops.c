@@ -1,5 +1,5 @@
 /* aserve's CPU kernels for bf16 activations: the decode step's small ops, one call each (residual add +
- * RMSNorm, rotary, SiLU / GELU-and-mul). Matrix products are in cpu_matmul.c, attention in
+ * RMSNorm or LayerNorm, rotary, SiLU / GELU-and-mul, non-gated GELU / ReLU). Matrix products are in cpu_matmul.c, attention in
  * cpu_attention.c and cpu_prefill_attention.c. Built and loaded by cpu_ops.py, which checks shapes;
  * these functions trust their input.
  */
@@ -106,4 +106,56 @@ void silu_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out
 
 void gelu_tanh_and_mul_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n) {
     sigmoid_gated(x, x_stride, x_f32, out, rows, n, 1);
+}
+
+/* add_rms_norm_bf16's contract for LayerNorm: out[r] = bf16((s - mean(s)) * rsqrt(var(s) + eps) * w + b), the
+ * biased variance, fp32 inside; weight and bias may be NULL (no elementwise affine). */
+void add_layer_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,
+                         int64_t residual_f32, const bf16 *weight, const bf16 *bias, bf16 *out, float *sum_out,
+                         int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        float xr[n];
+        load_row(x, x_f32, r, x_stride, n, xr);
+        const float *s = xr;
+        if (residual) {
+            float *sr = sum_out + r * n;
+            load_row(residual, residual_f32, r, res_stride, n, sr);
+            for (int64_t i = 0; i < n; i++) sr[i] += xr[i];
+            s = sr;
+        }
+        float sum = 0.0f, sq = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) sum += s[i];
+        const float mean = sum / (float)n;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t i = 0; i < n; i++) sq += (s[i] - mean) * (s[i] - mean);
+        const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+        bf16 *orow = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            float v = (s[i] - mean) * inv;
+            if (weight) v *= bf16_to_f32(weight[i]);
+            if (bias) v += bf16_to_f32(bias[i]);
+            orow[i] = f32_to_bf16(v);
+        }
+    }
+}
+
+/* out [rows, n] = bf16(act(x[r, i])), fp32 inside: kind ACT_GELU_TANH (torch's tanh approximation, as
+ * sigmoid_gated computes it), ACT_RELU, ACT_GELU (exact, erf). x bf16, or fp32 when x_f32, row stride x_stride. */
+void act_bf16(const void *x, int64_t x_stride, int64_t x_f32, bf16 *out, int64_t rows, int64_t n, int64_t kind) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        float row[n];
+        load_row(x, x_f32, r, x_stride, n, row);
+        bf16 *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float a = row[i];
+            float v;
+            if (kind == ACT_GELU_TANH) v = a / (1.0f + fast_exp(-1.5957691216057308f * (a + 0.044715f * a * a * a)));
+            else if (kind == ACT_RELU) v = a > 0.0f ? a : 0.0f;
+            else v = 0.5f * a * (1.0f + erff(a * 0.70710678118654752f));
+            o[i] = f32_to_bf16(v);
+        }
+    }
 }

@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_attention.c", "cpu_prefill_attention.c",
-                                            "cpu_decode_step.c"))  # all include cpu_common.h
-_HEADER = _HERE / "cpu_common.h"
+                                            "cpu_decode_step.c", "cpu_decode_moe.c"))  # all include cpu_common.h
+_HEADERS = (_HERE / "cpu_common.h", _HERE / "cpu_decode.h")
 
 _BF16 = torch.bfloat16
 _ROW_DTYPES = (torch.bfloat16, torch.float32)  # inputs the norm and the activation take
@@ -78,7 +78,7 @@ def build(march: str = "native") -> CpuKernels:
     """Compile (or reuse from the cache) the kernels for `-march=<march>` and load them; raises OSError
     (no compiler, cannot load) or CalledProcessError (the compiler failed). Tests build other ISAs
     (`x86-64-v2`, `x86-64-v3`) to check the portable code paths on any x86 CPU."""
-    return CpuKernels(compile_library("cpu_ops", _SOURCES, (_HEADER,), march))
+    return CpuKernels(compile_library("cpu_ops", _SOURCES, _HEADERS, march))
 
 
 

@@ -4,60 +4,117 @@ projections run on aserve's C kernels.
 
 The runner builds it after binding the KV cache (`CpuDecodeStep.build`, None when the model does not
 qualify; the reason is logged once) and uses it for steps where every row decodes one token, with no
-padding and no LoRA. The embedding, the final norm and everything after stay the model's own. The call
-runs the same kernels in the same order as the layer-by-layer forward, so its hidden states are bitwise
-the same: the layers remain the reference and the fallback.
+padding and no LoRA. The embedding (with learned positions where the family has them) and the final
+norm stay the model's own modules. For the RMSNorm families the call runs the same kernels in the same
+order as the layer-by-layer forward, so its hidden states are bitwise the same; GPT-2 and OPT (whose
+LayerNorms and activations are torch ops layer by layer) and MoE blocks (whose routing softmax is) agree
+within bf16 rounding. The layers remain the reference and the fallback.
 
-Qualifies: the decoder forms `cpu_decode_layers.py` describes (Llama, Mistral, Qwen2, Qwen3, Phi-3;
-Gemma 2 and 3) with every projection packed for `linear_vnni` (bf16, AVX512-BF16) or `linear_int4` (int4,
-GGUF Q4, GPTQ / AWQ without act-order), a bf16 KV cache with unit scales, one rank.
+Qualifies: the decoder forms `cpu_decode_layers.py` describes (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 2 and 3; GPT-2; OPT, pre- and post-LN) with every projection on a C
+kernel (`linear_vnni` bf16 on AVX512-BF16, the unpacked bf16 kernel, `linear_int4`: GGUF Q4, GPTQ / AWQ
+without act-order), a bf16 KV cache with unit scales, one rank.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from aserve.kernels.c_build import log_once
 from aserve.kernels.cpu_ops import CpuKernels
-from aserve.runner.cpu_decode_layers import Layer, NotEligible, describe_gemma, describe_llama
+from aserve.runner import cpu_decode_layers as layers_c
+from aserve.runner.cpu_decode_layers import Layer, NotEligible, StepShape
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = (_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F,
-             *([_P] * 11))
+_ARGTYPES = (_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, *([_P] * 11))
+
+
+class _Form(NamedTuple):
+    """A decoder class's layers (`describe`), its first attention module, how a step's rows are embedded
+    and how the last layer's output becomes the model's output."""
+
+    describe: Callable[[nn.Module, StepShape], list[Layer]]
+    blocks: Callable[[nn.Module], nn.ModuleList]
+    attention: Callable[[nn.Module], nn.Module]
+    embed: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    finish: Callable[[nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _embed_scaled(decoder: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    x = decoder.embed_tokens(ids)
+    scale = getattr(decoder, "embed_scale", None)  # as the model does (Gemma), in the activations' dtype
+    return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
+
+
+def _embed_opt(decoder: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    x = decoder.embed_tokens(ids)
+    if decoder.project_in is not None:
+        x = decoder.project_in(x)
+    return x + decoder.embed_positions(positions)
+
+
+def _finish_opt(decoder: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    if decoder.final_layer_norm is not None:
+        x, _ = decoder.final_layer_norm(x, residual)
+    return x if decoder.project_out is None else decoder.project_out(x)
+
+
+def _forms() -> dict[type, _Form]:
+    from aserve.model.models.gemma import GemmaModel
+    from aserve.model.models.gpt2 import GPT2Model
+    from aserve.model.models.llama import LlamaModel
+    from aserve.model.models.opt import OPTDecoder
+
+    def llama(describe):
+        return _Form(describe, lambda d: d.layers, lambda b: b.self_attn.attn, _embed_scaled,
+                     lambda d, x, residual: d.norm(x, residual)[0])
+
+    return {LlamaModel: llama(layers_c.describe_llama), GemmaModel: llama(layers_c.describe_gemma),
+            GPT2Model: _Form(layers_c.describe_gpt2, lambda d: d.h, lambda b: b.attn.attn,
+                             lambda d, ids, pos: d.wte(ids) + d.wpe(pos), lambda d, x, residual: d.ln_f(x, residual)[0]),
+            OPTDecoder: _Form(layers_c.describe_opt, lambda d: d.layers, lambda b: b.self_attn.attn, _embed_opt,
+                              _finish_opt)}
+
+
+def decoder_width(decoder: nn.Module) -> int:
+    """The width of the residual stream: what the positions or tokens are embedded into."""
+    for name in ("embed_positions", "wpe", "embed_tokens"):
+        table = getattr(decoder, name, None)
+        if table is not None:
+            return int(table.weight.shape[1])
+    raise NotEligible(f"{type(decoder).__name__} has no embedding table")
 
 
 class CpuDecodeStep:
     """The bound model's decode layers as one call; scratch for up to `max_rows` decode rows."""
 
     def __init__(self, model: nn.Module, kernels: CpuKernels, max_rows: int):
-        from aserve.model.models.gemma import GemmaModel
-        from aserve.model.models.llama import LlamaModel
-
         decoder = model.model
-        form = {LlamaModel: describe_llama, GemmaModel: describe_gemma}.get(type(decoder))
+        form = _forms().get(type(decoder))
         if form is None:
             raise NotEligible(f"{type(decoder).__name__} has no native decode form")
-        first = decoder.layers[0]
-        attn = first.self_attn
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.hidden_size = first.input_layernorm.weight.shape[0]
-        self.intermediate = first.mlp.down_proj.input_size
-        self.eps = first.input_layernorm.eps
-        self.embed, self.norm = decoder.embed_tokens, decoder.norm
-        self.rotary, self.local_rotary = decoder.rotary, getattr(decoder, "local_rotary", None)
-        self.embed_scale = getattr(decoder, "embed_scale", None)
-        layers = form(decoder, self.shape, self.hidden_size, self.intermediate, self.eps)
+        self.decoder, self.form = decoder, form
+        first = form.attention(form.blocks(decoder)[0])
+        self.shape = (first.num_heads, first.num_kv_heads, first.head_dim)
+        self.hidden_size = decoder_width(decoder)
+        self.eps = _norm_eps(form.blocks(decoder)[0])
+        self.rotary, self.local_rotary = getattr(decoder, "rotary", None), getattr(decoder, "local_rotary", None)
+        shape = StepShape(self.shape, self.hidden_size, self.eps, max_rows)
+        layers = form.describe(decoder, shape)
+        self._keep = shape.keep  # what the structs point into (MoE experts' descriptors, scratch)
         self._layers = (Layer * len(layers))(*layers)
-        self.gemma = form is describe_gemma
-        self.hidden_f32 = not self.gemma and bool(layers[-1].down.y_f32)
-        self.block_size = attn.attn.kv_cache.shape[2]
+        self.block_size = first.kv_cache.shape[2]
         self.max_rows = max_rows
         heads, kv_heads, head_dim = self.shape
         rows, h, q_width, kv_width = max_rows, self.hidden_size, heads * head_dim, kv_heads * head_dim
+        widest = max(layer.gate_up.n for layer in layers)
+        inter = max([_down_input(layer) for layer in layers] + [1])
         bf16, f32 = torch.bfloat16, torch.float32
         self._hidden = torch.empty(rows, h, dtype=f32)  # bf16 rows at its start where the layers leave bf16
         self._residual = (torch.empty(rows, h, dtype=f32), torch.empty(rows, h, dtype=f32))
@@ -65,8 +122,7 @@ class CpuDecodeStep:
                                                                        dtype=bf16),
                          torch.empty(rows, q_width, dtype=bf16), torch.empty(rows, kv_width, dtype=bf16),
                          torch.empty(rows, q_width, dtype=bf16), torch.empty(rows, h, dtype=f32),
-                         torch.empty(rows, 2 * self.intermediate, dtype=f32),
-                         torch.empty(rows, self.intermediate, dtype=bf16),
+                         torch.empty(rows, max(widest, 1), dtype=f32), torch.empty(rows, inter, dtype=bf16),
                          torch.empty(rows, q_width, dtype=bf16), torch.empty(rows, kv_width, dtype=bf16),
                          torch.empty(rows, h, dtype=bf16)]
         self._fn = kernels.decode_layers
@@ -90,22 +146,34 @@ class CpuDecodeStep:
         return meta.num_decodes == meta.num_seqs == num_rows <= self.max_rows and meta.block_tables.stride(1) == 1
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The model's output for a decode-only step (`can_run`): the final norm's rows `[B, hidden]`."""
+        """The model's output for a decode-only step (`can_run`): what its forward returns, `[B, hidden]`."""
         rows, h = input_ids.shape[0], self.hidden_size
-        embedded = self.embed(input_ids)
-        if self.embed_scale is not None:  # as the model does (Gemma), in the activations' dtype
-            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
-        cos_sin = self.rotary.cos_sin(positions)
+        embedded = self.form.embed(self.decoder, input_ids, positions)
+        cos_sin = self.rotary.cos_sin(positions) if self.rotary is not None else embedded
         local = self.local_rotary.cos_sin(positions) if self.local_rotary is not None else cos_sin
+        rot_half = cos_sin.shape[1] // 2 if self.rotary is not None else 0
         hidden, residual = self._hidden, self._residual
         tables = meta.block_tables
-        current = self._fn(self._layers, len(self._layers), embedded.data_ptr(), hidden.data_ptr(),
-                           residual[0].data_ptr(), residual[1].data_ptr(), cos_sin.data_ptr(), local.data_ptr(),
-                           cos_sin.shape[1] // 2, tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
-                           meta.slot_mapping.data_ptr(), rows, h, *self.shape, self.intermediate, self.block_size,
-                           self.eps, *(t.data_ptr() for t in self._scratch))
-        if current < 0:
-            raise RuntimeError(f"CPU decode step: a projection's kernel failed ({current})")
-        out = hidden[:rows] if self.hidden_f32 else hidden.view(-1).view(torch.bfloat16)[:rows * h].view(rows, h)
-        normed, _ = self.norm(out, residual[current][:rows])
-        return normed
+        status = self._fn(self._layers, len(self._layers), embedded.data_ptr(), hidden.data_ptr(),
+                          residual[0].data_ptr(), residual[1].data_ptr(), cos_sin.data_ptr(), local.data_ptr(),
+                          rot_half, tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
+                          meta.slot_mapping.data_ptr(), rows, h, *self.shape, self.block_size, self.eps,
+                          *(t.data_ptr() for t in self._scratch))
+        if status < 0:
+            raise RuntimeError(f"CPU decode step: a projection's kernel failed ({status})")
+        out = hidden[:rows] if status & 2 else hidden.view(-1).view(torch.bfloat16)[:rows * h].view(rows, h)
+        post_ln = bool(self._layers[len(self._layers) - 1].post_ln)
+        return self.form.finish(self.decoder, out, None if post_ln else residual[status & 1][:rows])
+
+
+def _down_input(layer: Layer) -> int:
+    """The width of a dense MLP's activation (0 for a sparse block, whose scratch is its own)."""
+    if layer.moe:
+        return 0
+    gated = layer.act in (layers_c.ACT_SILU_AND_MUL, layers_c.ACT_GELU_TANH_AND_MUL)
+    return layer.gate_up.n // 2 if gated else layer.gate_up.n
+
+
+def _norm_eps(block: nn.Module) -> float:
+    """The eps of a block's first norm (the forms check that every norm of the model has it)."""
+    return float(next(m.eps for m in block.modules() if type(m).__name__.endswith("Norm")))

@@ -1,8 +1,9 @@
 """The decode layers in one native call (runner/cpu_decode_step.py, kernels/cpu_decode_step.c): for every
-Llama-shaped family it serves, greedy tokens and their logprobs are bitwise those of the layer-by-layer
+RMSNorm family it serves, greedy tokens and their logprobs are bitwise those of the layer-by-layer
 forward (the reference, `ASERVE_CPU_DECODE_STEP=0`) in a bf16 model, with bf16 and 4-bit projections,
-biases, sliding windows, a partial rotary, per-head q/k norms and Gemma's layer form, over batches that grow and shrink; models it does not
-serve keep the layers."""
+biases, sliding windows, a partial rotary, per-head q/k norms and Gemma's layer form, over batches that
+grow and shrink; for GPT-2, OPT (pre- and post-LN) and the MoE families, whose layers norm or route in
+torch, the same greedy tokens with logprobs within bf16 rounding; models it does not serve keep the layers."""
 
 from __future__ import annotations
 
@@ -68,7 +69,34 @@ def test_one_call_equals_the_layers_bitwise(tmp_path, monkeypatch, family, quant
     assert calls >= max(lengths) - 1  # every decode step went through the native call
 
 
-@pytest.mark.parametrize("family, dtype", [("gpt2", "bfloat16"), ("qwen2_moe", "bfloat16"), ("llama", "float32")])
+# Families whose layers compute the norm (LayerNorm), the plain activation or the routing in torch ops.
+CLOSE_FAMILIES = {
+    "gpt2": ("gpt2", {}, None),  # learned positions, LayerNorms with biases, GELU-tanh (gelu_new)
+    "gpt2_exact_gelu": ("gpt2", {"activation_function": "gelu"}, None),
+    "opt": ("opt", {}, "int4"),  # ReLU
+    "opt_post_ln": ("opt", {"do_layer_norm_before": False}, None),
+    "mixtral": ("mixtral", {}, "int4"),  # 4 experts, top 2, renormalized
+    # 8 experts, top 2 unnormalized, a sigmoid-gated shared expert, and a dense layer
+    "qwen2_moe": ("qwen2_moe", {"mlp_only_layers": [1]}, None),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16}, None),  # q/k norms
+}
+
+
+@pytest.mark.parametrize("family", list(CLOSE_FAMILIES))
+def test_one_call_agrees_with_the_layers_within_rounding(tmp_path, monkeypatch, family):
+    name, overrides, quantization = CLOSE_FAMILIES[family]
+    save_tiny_hf(tmp_path, name, seed=5, perturb=True, **{**GREEDY_STABLE, **overrides})
+    lengths = [12, 5, 9, 16, 3]
+    layers, _ = _outputs(str(tmp_path), monkeypatch, False, lengths, quantization=quantization)
+    native, calls = _outputs(str(tmp_path), monkeypatch, True, lengths, quantization=quantization)
+    assert [tokens for tokens, _ in native] == [tokens for tokens, _ in layers]
+    for (tokens, got), (_, want) in zip(native, layers):
+        for token, step_got, step_want in zip(tokens, got, want):
+            assert step_got[token].logprob == pytest.approx(step_want[token].logprob, abs=0.01)
+    assert calls >= max(lengths) - 1
+
+
+@pytest.mark.parametrize("family, dtype", [("llama", "float32")])
 def test_models_it_does_not_serve_keep_the_layers(tmp_path, monkeypatch, family, dtype):
     save_tiny_hf(tmp_path, family, seed=5, **GREEDY_STABLE)
     monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
