@@ -158,7 +158,7 @@ static inline void prefetch_rows(const bf16 *cache, const int64_t *slot, int64_t
 static inline __attribute__((always_inline)) void attend_kv_head_dot(
     const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table, int64_t start,
     int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale,
-    float softcap) {
+    float softcap, float *partial) {
     float acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], p[MAX_GROUP][DOT_CHUNK], vbuf[DOT_CHUNK * D];
     for (int64_t h = 0; h < G; h++) {
         for (int64_t i = 0; i < D; i++) acc[h * D + i] = 0.0f;
@@ -221,10 +221,64 @@ static inline __attribute__((always_inline)) void attend_kv_head_dot(
             }
         }
     }
+    if (partial) { /* a split's unnormalized state, merged by merge_splits */
+        memcpy(partial, acc, (size_t)(G * D) * sizeof(float));
+        memcpy(partial + G * D, m, (size_t)G * sizeof(float));
+        memcpy(partial + G * D + G, l, (size_t)G * sizeof(float));
+        return;
+    }
     for (int64_t h = 0; h < G; h++) {
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
         for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
     }
+}
+
+/* out [G, D] from the states of S splits of one KV head's keys (each [G * D acc, G max, G sum]). */
+static void merge_splits(const float *parts, int64_t S, int64_t G, int64_t D, bf16 *out) {
+    const int64_t width = G * D + 2 * G;
+    for (int64_t h = 0; h < G; h++) {
+        float mx = -INFINITY, total = 0.0f, w[S];
+        for (int64_t s = 0; s < S; s++) {
+            const float ms = parts[s * width + G * D + h];
+            mx = ms > mx ? ms : mx;
+        }
+        for (int64_t s = 0; s < S; s++) {
+            const float *p = parts + s * width;
+            w[s] = p[G * D + G + h] > 0.0f ? expf(p[G * D + h] - mx) : 0.0f;
+            total += p[G * D + G + h] * w[s];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t i = 0; i < D; i++) {
+            float v = 0.0f;
+            for (int64_t s = 0; s < S; s++)
+                if (w[s] > 0.0f) v += parts[s * width + h * D + i] * w[s]; /* an empty split's acc is unset */
+            out[h * D + i] = f32_to_bf16(v * inv);
+        }
+    }
+}
+
+#define SPLIT_MIN_KEYS 128           /* keys per split at least (a multiple of DOT_CHUNK) */
+#define SPLIT_MAX_FLOATS (64 * 1024) /* the splits' states live on the caller's stack */
+
+/* How many runs of keys each sequence of a decode batch is split into (each run attended over every KV
+ * head in turn, reading whole cache rows) when there are fewer (sequence, KV head) pairs than twice the
+ * threads: 1 (no split) unless the batch is small and its keys many. */
+static int64_t decode_splits(const int32_t *seq_lens, int64_t B, int64_t KVH, int64_t G, int64_t D, int64_t window) {
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    if (threads < 2 || B * KVH >= 2 * threads) return 1;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = (window > 0 && seq_lens[b] > window) ? window : seq_lens[b];
+        longest = n > longest ? n : longest;
+    }
+    int64_t S = (2 * threads + B - 1) / B; /* runs of keys per sequence, each over every KV head */
+    if (S > longest / SPLIT_MIN_KEYS) S = longest / SPLIT_MIN_KEYS;
+    while (S > 1 && B * KVH * S * (G * D + 2 * G) > SPLIT_MAX_FLOATS) S--;
+    return S > 1 ? S : 1;
 }
 #endif
 
@@ -251,6 +305,42 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
         }
     }
     const int64_t G = H / KVH;
+#if defined(__AVX512BF16__)
+    const int64_t S = D % 32 == 0 && D <= 256 ? decode_splits(seq_lens, B, KVH, G, D, window) : 1;
+    if (S > 1) { /* split-KV: each (sequence, KV head)'s keys in S runs on the threads, then merged */
+        const int64_t width = G * D + 2 * G;
+        float parts[B * KVH * S * width];
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t sp = 0; sp < S; sp++)
+                for (int64_t g = 0; g < KVH; g++) { /* a run of whole cache rows: every KV head in turn */
+                    const int64_t len = seq_lens[b];
+                    const int64_t start = (window > 0 && len > window) ? len - window : 0;
+                    const int64_t per = ((len - start + S - 1) / S + DOT_CHUNK - 1) / DOT_CHUNK * DOT_CHUNK;
+                    const int64_t lo = start + sp * per, hi = lo + per < len ? lo + per : len;
+                    float *part = parts + ((b * KVH + g) * S + sp) * width;
+                    if (lo >= hi) { /* nothing left for this split */
+                        for (int64_t h = 0; h < G; h++) part[G * D + G + h] = 0.0f, part[G * D + h] = -INFINITY;
+                        continue;
+                    }
+                    const bf16 *qg = q + (b * H + g * G) * D;
+                    const int32_t *table = block_tables + b * bt_stride;
+                    if (D == 64)
+                        attend_kv_head_dot(qg, NULL, k_cache, v_cache, table, lo, hi, row, g, G, 64, block_size, scale,
+                                           softcap, part);
+                    else if (D == 128)
+                        attend_kv_head_dot(qg, NULL, k_cache, v_cache, table, lo, hi, row, g, G, 128, block_size, scale,
+                                           softcap, part);
+                    else
+                        attend_kv_head_dot(qg, NULL, k_cache, v_cache, table, lo, hi, row, g, G, D, block_size, scale,
+                                           softcap, part);
+                }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t g = 0; g < KVH; g++)
+                merge_splits(parts + (b * KVH + g) * S * width, S, G, D, out + (b * H + g * G) * D);
+        return;
+    }
+#endif
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b];
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * H > 16384)
@@ -263,17 +353,18 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
             bf16 *og = out + (b * H + g * G) * D;
 #if defined(__AVX512BF16__)
             if (D == 64) {
-                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
+                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap,
+                                   NULL);
                 continue;
             }
             if (D == 128) {
                 attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale,
-                                   softcap);
+                                   softcap, NULL);
                 continue;
             }
             if (D % 32 == 0 && D <= 256) {
                 attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale,
-                                   softcap);
+                                   softcap, NULL);
                 continue;
             }
 #endif

@@ -224,6 +224,41 @@ def test_paged_decode_attention(kernels, heads, kv_heads, head_dim, window):
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lengths,window,softcap", [
+    (9, 3, 64, [300], None, None),  # one sequence: its keys run in splits over the threads, then merged
+    (9, 3, 64, [1000, 5], 700, None),  # a window past the first split, and a sequence too short to split
+    (4, 1, 128, [517], None, 2.0),  # one KV head, 5 splits' worth of keys, capped scores
+    (16, 1, 96, [260], None, None)])  # a generic head size
+def test_paged_decode_attention_splits_a_small_batchs_keys_across_threads(kernels, heads, kv_heads, head_dim,
+                                                                         lengths, window, softcap):
+    """Fewer (sequence, KV head) pairs than threads: runs of keys on every thread, merged by their
+    softmax states (checked with 4 threads, whatever the machine has)."""
+    if not kernels.native_bf16_dot:
+        pytest.skip("the split runs on the bf16 dot-product path")
+    gen = torch.Generator().manual_seed(29)
+    block_size = 16
+    per_seq = -(-max(lengths) // block_size)
+    num_blocks = per_seq * len(lengths) + 3
+    kv_cache = _rand(2, num_blocks, block_size, kv_heads, head_dim, seed=30)
+    block_tables = torch.randperm(num_blocks, generator=gen)[:per_seq * len(lengths)].view(len(lengths), per_seq)
+    block_tables = block_tables.to(torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    q = _rand(len(lengths), heads, head_dim, seed=31, scale=3.0)  # peaked scores: each split's max matters
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = kernels.paged_decode_attention(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window,
+                                             softcap=softcap)
+        torch.set_num_threads(1)  # one thread: no split
+        single = kernels.paged_decode_attention(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window,
+                                                softcap=softcap)
+    finally:
+        torch.set_num_threads(threads)
+    want = _reference_decode(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window, softcap)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), single.float(), atol=8e-3, rtol=8e-3)
+
+
 @pytest.mark.parametrize("softcap", [0.3, 2.0])
 def test_paged_decode_attention_with_a_logit_softcap(kernels, softcap):
     gen = torch.Generator().manual_seed(19)
