@@ -21,6 +21,11 @@ server, time it to ready (GET /health 200), send `--warmup` short requests on ot
 the measured pass, stop the server (SIGTERM to its process group, SIGKILL after --stop-grace s). Server logs go to --log-dir. EOS is honoured by default:
 llama.cpp's OpenAI endpoint does not honour `ignore_eos`, so `--ignore-eos` makes the rows unequal.
 
+`--rounds N` repeats every pass N times, the systems in turn within each round (A B A B ...), and
+reports each number as the median over the rounds, with the weight-stream bound measured before every
+round: on a shared VM whose memory bandwidth drifts by tens of percent over minutes, one pass per
+system can put the drift between two rows; interleaved rounds put it inside each row.
+
 `--make-bf16-gguf` converts the HF folder with llama.cpp's `convert_hf_to_gguf.py --outtype bf16`
 (from `--llama-cpp-src`, default: three levels above `--llama-server`), which needs `pip install
 sentencepiece` and `rope_theta` at the top level of config.json: it converts a temporary copy of the
@@ -48,10 +53,10 @@ from dataclasses import dataclass
 
 import httpx
 import serving
+from _peer_report import COLUMNS, format_table, merge_rounds, report  # noqa: F401  (re-exported)
 from _weight_bound import weight_bound_line
 
 SYSTEMS = ("aserve-bf16", "aserve-gguf", "aserve-gguf-O3", "llama-bf16", "llama-q4_1", "transformers")
-COLUMNS = ("system", "weights", "c", "output tok/s", "TTFT p50", "ITL p50", "TPOT p50", "start-up s")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 HOST = "127.0.0.1"
 
@@ -267,32 +272,6 @@ def run_pass(system: System, args: argparse.Namespace, concurrency: int, num_pro
     return row
 
 
-def _ms(stats: dict) -> str:
-    return "n/a" if stats.get("p50") is None else f"{stats['p50'] * 1000:.1f} ms"
-
-
-def format_table(rows: list[dict]) -> str:
-    """The markdown table: one row per system and concurrency, or one "skipped"/"failed" row."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2)]
-    for row in rows:
-        c = str(row.get("concurrency", "")) if "skipped" not in row else ""
-        startup = f"{row['startup_s']:.1f}" if row.get("startup_s") is not None else ""
-        if "skipped" in row or "failed" in row:
-            note = f"skipped: {row['skipped']}" if "skipped" in row else f"failed: {row['failed']}"
-            cells = [note, "", "", "", startup]
-        else:
-            report = row["report"]
-            tok_s = f"{report['output_throughput']:.1f}"
-            if report["failed"]:
-                tok_s += f" ({report['failed']} of {report['num_prompts']} failed)"
-            ttft = report["ttft_s"].get("p50")
-            cells = [tok_s, "n/a" if ttft is None else f"{ttft:.2f} s", _ms(report["itl_s"]),
-                     _ms(report["tpot_s"]), startup]
-        texts = [row["system"], row["weights"], c, *cells]
-        lines.append("| " + " | ".join(t.replace("|", "\\|") for t in texts) + " |")
-    return "\n".join(lines)
-
-
 def make_bf16_gguf(hf_folder: str, out: str, llama_src: str) -> int:
     """Convert `hf_folder` (untouched: a patched temporary copy is converted) to a bf16 GGUF at `out`."""
     script = os.path.join(llama_src, "convert_hf_to_gguf.py")
@@ -349,21 +328,6 @@ def run_systems(systems: list, args: argparse.Namespace, log_dir: str, run_pass,
     return rows
 
 
-def report(info: dict, rows: list[dict], table: str, log_dir: str, name_field: str, json_out: str | None,
-           json_extra: dict) -> int:
-    """Prints the run's facts, `table` and each pass's command; writes the JSON; 1 if any pass failed."""
-    print("\n".join(f"{k}: {v}" for k, v in info.items()))
-    print(f"server logs: {log_dir}\n")
-    print(table)
-    for row in rows:
-        if "command" in row:
-            print(f"- {row[name_field]} c={row['concurrency']}: `{row['command']}`")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump({**info, **json_extra, "rows": rows}, f, indent=2)
-    return 1 if any("failed" in r or r.get("report", {}).get("failed") for r in rows) else 0
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
@@ -392,8 +356,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log-dir", default="", help="server logs (default: a new temporary folder)")
     p.add_argument("--json-out", default=None, help="also write everything as JSON to this file")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every pass, systems interleaved; report medians: %(default)s")
     args = p.parse_args(argv)
     check_pass_args(p, args, SYSTEMS)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if not args.llama_cpp_src and args.llama_server:
         binary = os.path.abspath(args.llama_server)  # <src>/build/bin/llama-server
         args.llama_cpp_src = os.path.dirname(os.path.dirname(os.path.dirname(binary)))
@@ -409,11 +377,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         out = args.llama_bf16_gguf or default_bf16_gguf(hf_folder)
         return make_bf16_gguf(hf_folder, out, args.llama_cpp_src)
-    bound = weight_bound_line(hf_folder)  # measured before any server runs
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="aserve-peers-")
     os.makedirs(log_dir, exist_ok=True)
-    rows = run_systems(plan_systems(args, hf_folder, gguf_file, why), args, log_dir, run_pass,
-                       lambda s: {"system": s.name, "key": s.key, "weights": s.weights, "skipped": s.skipped})
+    systems = plan_systems(args, hf_folder, gguf_file, why)
+    bounds, rounds = [], []
+    for number in range(args.rounds):
+        bounds.append(weight_bound_line(hf_folder))  # measured before the round's servers run
+        if args.rounds > 1:
+            print(f"round {number + 1} of {args.rounds} ({bounds[-1]})", file=sys.stderr, flush=True)
+        rounds.append(run_systems(systems, args, log_dir, run_pass,
+                                  lambda s: {"system": s.name, "key": s.key, "weights": s.weights,
+                                             "skipped": s.skipped}))
+    rows = rounds[0] if args.rounds == 1 else merge_rounds(rounds)
+    bound = bounds[0] if args.rounds == 1 else "; ".join(f"round {i + 1}: {b}" for i, b in enumerate(bounds))
     info = {
         "cpu": cpu_summary(_read_cpuinfo()),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -423,10 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         "workload": (f"chat, ~{args.prompt_words}-word prompts (seed {args.seed}), at most {args.max_tokens} "
                      f"output tokens, temperature {args.temperature}, "
                      f"EOS {'ignored' if args.ignore_eos else 'honoured'}; "
-                     f"{args.warmup} warm-up request(s) and a fresh server per pass"),
+                     f"{args.warmup} warm-up request(s) and a fresh server per pass"
+                     + (f"; {args.rounds} rounds, systems interleaved, medians" if args.rounds > 1 else "")),
     }
     return report(info, rows, format_table(rows), log_dir, "key", args.json_out,
-                  {"hf_folder": hf_folder, "gguf_file": gguf_file})
+                  {"hf_folder": hf_folder, "gguf_file": gguf_file, "rounds": rounds})
 
 
 if __name__ == "__main__":

@@ -174,3 +174,26 @@ def test_the_weight_stream_bound_counts_every_projection_and_the_lm_head(tmp_pat
     assert _weight_bound.bf16_decode_bytes(str(tmp_path)) == 2 * (2 * per_layer + 500 * 64)
     assert _weight_bound.dram_read_gbps(mib=16, repeats=1) > 0
     assert "unknown" in _weight_bound.weight_bound_line(str(tmp_path / "missing"))
+
+
+def test_rounds_merge_into_medians_and_keep_skipped_and_all_failed_passes():
+    def row(tok_s, itl, startup, failed=None):
+        r = {"system": "aserve", "key": "aserve-bf16", "weights": "bf16", "concurrency": 1, "num_prompts": 48,
+             "startup_s": startup, "report": _report(tok_s, 0.3, itl, itl)}
+        if failed:
+            r["failed"] = failed
+        return r
+
+    skipped = {"system": "llama.cpp", "key": "llama-bf16", "weights": "bf16 GGUF", "skipped": "no binary"}
+    rounds = [[row(100.0, 0.010, 3.0), skipped, row(1.0, 1.0, 1.0, failed="boom")],
+              [row(120.0, 0.014, 5.0), skipped, row(1.0, 1.0, 1.0, failed="boom again")],
+              [row(90.0, 0.012, 4.0, failed="ServerError"), skipped, row(1.0, 1.0, 1.0, failed="boom")]]
+    merged = peers.merge_rounds(rounds)
+    assert len(merged) == 3
+    first = merged[0]
+    assert first["rounds_ok"] == 2 and "failed" not in first
+    assert first["report"]["output_throughput"] == pytest.approx(110.0)  # the failed round left out
+    assert first["report"]["itl_s"]["p50"] == pytest.approx(0.012) and first["startup_s"] == pytest.approx(4.0)
+    assert merged[1] is skipped
+    assert merged[2]["failed"] == "boom"  # failed every round: the first round's row
+    assert "| 110.0 | 0.30 s | 12.0 ms |" in peers.format_table(merged)
