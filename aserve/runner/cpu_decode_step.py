@@ -75,11 +75,11 @@ def _forms() -> dict[type, _Form]:
         return _Form(describe, lambda d: d.layers, lambda b: b.self_attn.attn, _embed_scaled,
                      lambda d, x, residual: d.norm(x, residual)[0])
 
+    gpt2 = _Form(layers_c.describe_gpt2, lambda d: d.h, lambda b: b.attn.attn,
+                 lambda d, ids, pos: d.wte(ids) + d.wpe(pos), lambda d, x, residual: d.ln_f(x, residual)[0])
+    opt = _Form(layers_c.describe_opt, lambda d: d.layers, lambda b: b.self_attn.attn, _embed_opt, _finish_opt)
     return {LlamaModel: llama(layers_c.describe_llama), GemmaModel: llama(layers_c.describe_gemma),
-            GPT2Model: _Form(layers_c.describe_gpt2, lambda d: d.h, lambda b: b.attn.attn,
-                             lambda d, ids, pos: d.wte(ids) + d.wpe(pos), lambda d, x, residual: d.ln_f(x, residual)[0]),
-            OPTDecoder: _Form(layers_c.describe_opt, lambda d: d.layers, lambda b: b.self_attn.attn, _embed_opt,
-                              _finish_opt)}
+            GPT2Model: gpt2, OPTDecoder: opt}
 
 
 def decoder_width(decoder: nn.Module) -> int:

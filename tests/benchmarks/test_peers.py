@@ -95,6 +95,21 @@ def test_missing_binaries_and_files_become_skip_reasons(tmp_path, monkeypatch):
     assert systems["aserve-bf16"].skipped == systems["aserve-gguf"].skipped == "no `aserve` on PATH"
     assert "no llama-server binary at" in systems["llama-q4_1"].skipped
     assert "transformers" in systems["transformers"].skipped
+    assert "no --vllm-python" in systems["vllm-bf16"].skipped
+
+
+def test_the_vllm_row_runs_its_python_on_the_hf_folder_or_says_why_not(tmp_path):
+    args = peers.parse_args(["--systems", "vllm-bf16", "--vllm-python", sys.executable])
+    (broken,) = peers.plan_systems(args, "/hf", "", "")
+    assert "cannot import vLLM" in broken.skipped  # this environment has no vLLM
+    fake = tmp_path / "python"  # a Python whose `-c` probe succeeds
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    args = peers.parse_args(["--systems", "vllm-bf16", "--vllm-python", str(fake), "--vllm-args=--max-model-len 512"])
+    (vllm,) = peers.plan_systems(args, "/hf", "", "")
+    assert vllm.skipped == ""
+    assert vllm.argv == [str(fake), "-m", "vllm.entrypoints.openai.api_server", "--model", "/hf", "--dtype",
+                         "bfloat16", "--max-model-len", "512"]
 
 
 def test_available_systems_get_their_commands(tmp_path, monkeypatch):
