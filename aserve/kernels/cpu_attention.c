@@ -233,6 +233,21 @@ static inline __attribute__((always_inline)) void attend_kv_head_dot(
     }
 }
 
+/* attend_kv_head_dot with a compile-time head size where it is a common one (the inner loops unroll). */
+static inline void attend_dot(const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache,
+                              const int32_t *table, int64_t start, int64_t len, int64_t row, int64_t g, int64_t G,
+                              int64_t D, int64_t block_size, float scale, float softcap, float *partial) {
+    if (D == 64)
+        attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap,
+                           partial);
+    else if (D == 128)
+        attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap,
+                           partial);
+    else
+        attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap,
+                           partial);
+}
+
 /* out [G, D] from the states of S splits of one KV head's keys (each [G * D acc, G max, G sum]). */
 static void merge_splits(const float *parts, int64_t S, int64_t G, int64_t D, bf16 *out) {
     const int64_t width = G * D + 2 * G;
@@ -323,17 +338,8 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
                         for (int64_t h = 0; h < G; h++) part[G * D + G + h] = 0.0f, part[G * D + h] = -INFINITY;
                         continue;
                     }
-                    const bf16 *qg = q + (b * H + g * G) * D;
-                    const int32_t *table = block_tables + b * bt_stride;
-                    if (D == 64)
-                        attend_kv_head_dot(qg, NULL, k_cache, v_cache, table, lo, hi, row, g, G, 64, block_size, scale,
-                                           softcap, part);
-                    else if (D == 128)
-                        attend_kv_head_dot(qg, NULL, k_cache, v_cache, table, lo, hi, row, g, G, 128, block_size, scale,
-                                           softcap, part);
-                    else
-                        attend_kv_head_dot(qg, NULL, k_cache, v_cache, table, lo, hi, row, g, G, D, block_size, scale,
-                                           softcap, part);
+                    attend_dot(q + (b * H + g * G) * D, NULL, k_cache, v_cache, block_tables + b * bt_stride, lo,
+                               hi, row, g, G, D, block_size, scale, softcap, part);
                 }
         for (int64_t b = 0; b < B; b++)
             for (int64_t g = 0; g < KVH; g++)
@@ -352,19 +358,8 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
             const bf16 *qg = q + (b * H + g * G) * D;
             bf16 *og = out + (b * H + g * G) * D;
 #if defined(__AVX512BF16__)
-            if (D == 64) {
-                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap,
-                                   NULL);
-                continue;
-            }
-            if (D == 128) {
-                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale,
-                                   softcap, NULL);
-                continue;
-            }
             if (D % 32 == 0 && D <= 256) {
-                attend_kv_head_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale,
-                                   softcap, NULL);
+                attend_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap, NULL);
                 continue;
             }
 #endif

@@ -55,6 +55,7 @@ class StepShape:
     eps: float
     max_rows: int
     keep: list = field(default_factory=list)
+    moe_scratch: dict = field(default_factory=dict)  # MoE blocks' buffers by (experts, top_k, width)
 
 
 def matmul(linear: nn.Module, k: int, method=None) -> Matmul:
@@ -121,10 +122,11 @@ def _attention(core: nn.Module, rotary: nn.Module | None, shape: tuple[int, int,
 
 
 def _fill(layer: Layer, qkv: nn.Module, o: nn.Module, fc1: nn.Module | None, fc2: nn.Module | None, h: int,
-          core: nn.Module, shape: tuple[int, int, int]) -> Layer:
-    """The projections (an MLP's two unless its block is sparse), the cache and the attention's numbers."""
+          core: nn.Module, rotary: nn.Module | None, shape: tuple[int, int, int]) -> Layer:
+    """The projections (an MLP's two unless its block is sparse), the cache and the attention's numbers;
+    `rotary`: the table the layer's attention uses (None: positions are embedded)."""
     heads, kv_heads, head_dim = shape
-    cache = _attention(core, None, shape)
+    cache = _attention(core, rotary, shape)
     layer.qkv, layer.o = matmul(qkv, h), matmul(o, heads * head_dim)
     if layer.qkv.n != (heads + 2 * kv_heads) * head_dim or layer.o.n != h or layer.qkv.y_f32:
         raise NotEligible("an attention projection's width or output differs from the layer's")
@@ -156,7 +158,6 @@ def describe_llama(decoder: nn.Module, d: StepShape) -> list[Layer]:
             raise NotEligible("an MLP is not a dense gated SiLU or a sparse MoE block")
         if attn.rotary is not decoder.rotary:
             raise NotEligible("attention has its own rotary")
-        _attention(attn.attn, decoder.rotary, shape)
         layer = Layer(input_norm=_norm(block.input_layernorm, RMSNorm, eps),
                       post_norm=_norm(block.post_attention_layernorm, RMSNorm, eps),
                       q_norm=_norm(attn.q_norm, RMSNorm, eps), k_norm=_norm(attn.k_norm, RMSNorm, eps),
@@ -164,7 +165,7 @@ def describe_llama(decoder: nn.Module, d: StepShape) -> list[Layer]:
         if sparse:
             layer.moe = ctypes.addressof(describe_moe(mlp, d))
         out.append(_fill(layer, attn.qkv_proj, attn.o_proj, None if sparse else mlp.gate_up_proj,
-                         None if sparse else mlp.down_proj, h, attn.attn, shape))
+                         None if sparse else mlp.down_proj, h, attn.attn, decoder.rotary, shape))
     return out
 
 
@@ -183,14 +184,14 @@ def describe_gemma(decoder: nn.Module, d: StepShape) -> list[Layer]:
                 or act.dtype != torch.bfloat16):
             raise NotEligible("an MLP is not a bf16 GELU-tanh GeGLU")
         uses_local = local is not None and attn.is_sliding
-        _attention(attn.attn, local if uses_local else decoder.rotary, shape)
         layer = Layer(input_norm=_norm(block.input_layernorm, GemmaRMSNorm, eps),
                       post_norm=_norm(block.post_attention_layernorm, GemmaRMSNorm, eps),
                       pre_ff_norm=_norm(block.pre_feedforward_layernorm, GemmaRMSNorm, eps),
                       post_ff_norm=_norm(block.post_feedforward_layernorm, GemmaRMSNorm, eps),
                       q_norm=_norm(attn.q_norm, GemmaRMSNorm, eps), k_norm=_norm(attn.k_norm, GemmaRMSNorm, eps),
                       norm_offset=1.0, gemma=1, act=ACT_GELU_TANH_AND_MUL, local_rotary=int(uses_local), rotary=1)
-        out.append(_fill(layer, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, h, attn.attn, shape))
+        out.append(_fill(layer, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, h, attn.attn,
+                         local if uses_local else decoder.rotary, shape))
     return out
 
 
@@ -216,7 +217,7 @@ def describe_gpt2(decoder: nn.Module, d: StepShape) -> list[Layer]:
     for block in decoder.h:
         attn, mlp = block.attn, block.mlp
         layer = _layer_norms(block.ln_1, block.ln_2, eps, act=_plain_act(mlp.act))
-        out.append(_fill(layer, attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, h, attn.attn, shape))
+        out.append(_fill(layer, attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, h, attn.attn, None, shape))
     return out
 
 
@@ -227,5 +228,5 @@ def describe_opt(decoder: nn.Module, d: StepShape) -> list[Layer]:
         attn = block.self_attn
         layer = _layer_norms(block.self_attn_layer_norm, block.final_layer_norm, eps, act=_plain_act(block.act),
                              post_ln=int(not block.pre_norm))
-        out.append(_fill(layer, attn.qkv_proj, attn.out_proj, block.fc1, block.fc2, h, attn.attn, shape))
+        out.append(_fill(layer, attn.qkv_proj, attn.out_proj, block.fc1, block.fc2, h, attn.attn, None, shape))
     return out

@@ -21,21 +21,19 @@ class Moe(ctypes.Structure):
                 ("expert_out", _P), ("shared_gate_out", _P)]
 
 
-def _scratch(d: StepShape, experts: int, top_k: int, inter: int) -> list[torch.Tensor]:
-    """The buffers `decode_moe` names (logits .. shared_gate_out) for d.max_rows rows, one set per model
-    (grown when a later layer needs wider ones)."""
-    rows, f32 = d.max_rows, torch.float32
-    need = (experts, top_k, inter)
-    for kept in d.keep:
-        if isinstance(kept, tuple) and kept[0] == "moe_scratch" and all(a >= b for a, b in zip(kept[1], need)):
-            return kept[2]
-    buffers = [torch.empty(rows, experts, dtype=f32), torch.empty(rows, top_k, dtype=torch.int64),
-               torch.empty(rows, top_k, dtype=f32), torch.empty(rows, dtype=torch.int64),
-               torch.empty(rows, dtype=f32), torch.empty(rows, d.hidden, dtype=torch.bfloat16),
-               torch.empty(rows, 2 * inter, dtype=f32), torch.empty(rows, inter, dtype=torch.bfloat16),
-               torch.empty(rows, d.hidden, dtype=f32), torch.empty(rows, dtype=f32)]
-    d.keep.append(("moe_scratch", need, buffers))
-    return buffers
+def _scratch(d: StepShape, experts: int, top_k: int, width: int) -> list[torch.Tensor]:
+    """The buffers `decode_moe` names (logits .. shared_gate_out) for d.max_rows rows, shared by every
+    sparse layer of the same sizes (one set in the MoE models aserve has)."""
+    key = (experts, top_k, width)
+    if key not in d.moe_scratch:
+        rows, f32 = d.max_rows, torch.float32
+        d.moe_scratch[key] = [
+            torch.empty(rows, experts, dtype=f32), torch.empty(rows, top_k, dtype=torch.int64),
+            torch.empty(rows, top_k, dtype=f32), torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=f32),
+            torch.empty(rows, d.hidden, dtype=torch.bfloat16), torch.empty(rows, 2 * width, dtype=f32),
+            torch.empty(rows, width, dtype=torch.bfloat16), torch.empty(rows, d.hidden, dtype=f32),
+            torch.empty(rows, dtype=f32)]
+    return d.moe_scratch[key]
 
 
 def describe_moe(block: nn.Module, d: StepShape) -> Moe:

@@ -107,8 +107,9 @@ class CpuDecodeStep:
         self.rotary, self.local_rotary = getattr(decoder, "rotary", None), getattr(decoder, "local_rotary", None)
         shape = StepShape(self.shape, self.hidden_size, self.eps, max_rows)
         layers = form.describe(decoder, shape)
-        self._keep = shape.keep  # what the structs point into (MoE experts' descriptors, scratch)
+        self._keep = shape  # what the structs point into (keep: MoE descriptors; moe_scratch)
         self._layers = (Layer * len(layers))(*layers)
+        self.post_ln = bool(layers[-1].post_ln)  # the last layer leaves no residual stream
         self.block_size = first.kv_cache.shape[2]
         self.max_rows = max_rows
         heads, kv_heads, head_dim = self.shape
@@ -162,8 +163,7 @@ class CpuDecodeStep:
         if status < 0:
             raise RuntimeError(f"CPU decode step: a projection's kernel failed ({status})")
         out = hidden[:rows] if status & 2 else hidden.view(-1).view(torch.bfloat16)[:rows * h].view(rows, h)
-        post_ln = bool(self._layers[len(self._layers) - 1].post_ln)
-        return self.form.finish(self.decoder, out, None if post_ln else residual[status & 1][:rows])
+        return self.form.finish(self.decoder, out, None if self.post_ln else residual[status & 1][:rows])
 
 
 def _down_input(layer: Layer) -> int:
