@@ -31,3 +31,11 @@ def check_scheduler_args(args: Any) -> None:
         require(not args.speculative_config, "num_scheduler_steps",
                 f"{args.num_scheduler_steps} (multi-step decode) cannot be combined with speculative decoding "
                 "(--speculative-config); use one or the other")
+    if args.async_scheduling:  # the next step is scheduled before this one's tokens are known
+        refused = [("speculative_config", args.speculative_config is not None, "speculative decoding (drafts "
+                    "come back with each step's output)"),
+                   ("num_scheduler_steps", args.num_scheduler_steps > 1, "multi-step decode"),
+                   ("pipeline_parallel_size", args.pipeline_parallel_size > 1, "pipeline parallelism (its steps "
+                    "are already in flight together)")]
+        for flag, given, what in refused:
+            require(not given, "async_scheduling", f"cannot be combined with {what} (--{flag.replace('_', '-')})")

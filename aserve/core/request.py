@@ -68,6 +68,7 @@ class Request:
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "output_token_ids",
         "pooling_params",
@@ -116,6 +117,7 @@ class Request:
             self.max_tokens = sys.maxsize
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # tokens being sampled by steps in flight (async scheduling)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0

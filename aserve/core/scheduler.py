@@ -16,7 +16,9 @@ With speculative decoding a decoding request also gets the drafts `core/spec_dec
 `schedule()` advances `num_computed_tokens` by what it schedules (the step is assumed to run); `update()`
 appends the sampled tokens and applies the stop rules. With pipeline parallelism several steps are in
 flight (`max_steps_in_flight`): a request in one is skipped by later ones and never preempted, until its
-`update`; each step takes at most its share of the running requests, so the micro-batches balance.
+`update`; each step takes at most its share of the running requests, so the micro-batches balance. With
+async scheduling two steps are in flight and a decoding request runs one step ahead of its known tokens
+(`core/steps_in_flight.py`).
 The runner protocol: `aserve.core.batch`.
 """
 
@@ -44,6 +46,7 @@ from aserve.core.prefill_limits import PrefillLimits
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import FCFSQueue, PriorityQueue
 from aserve.core.spec_decoding import DraftPolicy
+from aserve.core.steps_in_flight import StepsInFlight
 from aserve.core.stats import SchedulerStats
 from aserve.core.stats_reporter import StatsReporter
 
@@ -87,9 +90,10 @@ class Scheduler:
         self._stats = StatsReporter()
         self._finished_req_ids: list[str] = []  # to report in the next SchedulerOutput
         self._runner_req_ids: set[str] = set()  # requests whose state the runner holds
-        # pipeline parallelism: requests in a step not yet through `update` (skipped, never preempted)
+        # several steps in flight (pipeline parallelism, async scheduling): requests in a step not yet through
+        # `update` are never preempted, and skipped by later steps unless they run ahead (async)
         self.pipelined = scheduler_config.max_steps_in_flight > 1
-        self._in_flight: set[str] = set()
+        self._in_flight = StepsInFlight(self.pipelined, scheduler_config.async_scheduling)
 
     # -- intake and queries ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -164,13 +168,15 @@ class Scheduler:
         in_flight = self._in_flight
         # pipelined: the running requests are shared among the steps in flight (micro-batches), so that
         # every stage has work; a step takes at most its share
-        share = -(-len(running) // self.config.max_steps_in_flight) if self.pipelined else len(running)
+        pp_share = self.pipelined and not in_flight.ahead
+        share = -(-len(running) // self.config.max_steps_in_flight) if pp_share else len(running)
         while i < len(running) and budget > 0 and len(num_scheduled) < share:
             req = running[i]
-            if req.request_id in in_flight:
+            ahead = req.request_id in in_flight
+            if ahead and not in_flight.may_run_ahead(req):
                 i += 1
                 continue
-            remaining = min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
+            remaining = min(req.num_tokens + req.num_output_placeholders, self.max_model_len) - req.num_computed_tokens
             drafts = self.drafts.drafts_for(req) if speculate and remaining == 1 else ()
             wanted = remaining + len(drafts)
             num_new = limits.allowed(req, min(wanted, budget), wanted) if remaining > 0 else 0
@@ -182,7 +188,7 @@ class Scheduler:
             steps = self.multi_step.steps_for(req) if remaining == 1 == num_new else 1
             while True:
                 blocks = kv.allocate_slots(req, num_new + max(lookahead, steps - 1))
-                if blocks is not None:
+                if blocks is not None or ahead:  # an ahead decode waits for its step rather than preempt
                     break
                 victim_idx = self._victim_index()
                 victim = running[victim_idx]
@@ -195,6 +201,9 @@ class Scheduler:
                 if victim_idx < i:
                     i -= 1
             if blocks is None:
+                if ahead:
+                    i += 1
+                    continue
                 break
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = blocks
@@ -247,7 +256,8 @@ class Scheduler:
                 continue
             if req_id in runner_ids:
                 nc = req.num_computed_tokens
-                tokens = req.all_token_ids[nc:nc + n] if self.pipelined and nc >= req.num_prompt_tokens else []
+                # pipeline parallel: the decode input (sampled on the last stage); async: the runner has it
+                tokens = req.all_token_ids[nc:nc + n] if pp_share and nc >= req.num_prompt_tokens else []
                 cached_reqs.append(CachedRequestData(req_id, new_block_ids[req_id], nc, tokens))
             else:
                 runner_ids.add(req_id)
@@ -256,8 +266,7 @@ class Scheduler:
             scheduled_nums.append(n)
             req.num_computed_tokens += n
         finished, self._finished_req_ids = self._finished_req_ids, []
-        if self.pipelined:
-            in_flight.update(scheduled_ids)
+        in_flight.started([r for r in running if r.request_id in num_scheduled])
         if limits.delay_factor > 0:  # did this step run prompt tokens?
             limits.end_step(any(r.num_computed_tokens - num_scheduled[r.request_id] < r.num_prompt_tokens
                                 for r in running if r.request_id in num_scheduled))
@@ -305,8 +314,7 @@ class Scheduler:
         was pooled (and finished), finished, or failed alone in the runner (finish_reason "error")."""
         outputs: list[EngineCoreOutput] = []
         requests = self.requests
-        if self.pipelined:
-            self._in_flight.difference_update(scheduler_output.scheduled_req_ids)
+        self._in_flight.finished(scheduler_output.scheduled_req_ids)
         if runner_output.failed_requests:
             self._fail_requests(runner_output.failed_requests, outputs)
         for req_id, pooled in runner_output.pooled_outputs.items():

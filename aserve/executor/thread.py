@@ -1,9 +1,12 @@
 """`uni`: the runner lives in this process and runs on the calling thread (the async engine calls it
-via `anyio.to_thread`, one step at a time, so the runner's state is never touched concurrently)."""
+via `anyio.to_thread`, one step at a time, so the runner's state is never touched concurrently).
+Async scheduling's `submit` / `collect` run the steps in order on one thread of their own."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from aserve.config import AserveConfig
@@ -30,6 +33,8 @@ class ThreadExecutor:
         self.runner_factory = runner_factory
         self.runner = None
         self._dead: BaseException | None = None
+        self._stepper: ThreadPoolExecutor | None = None  # submit's thread (async scheduling)
+        self._submitted: deque[Future] = deque()
 
     def start(self) -> RunnerInfo:
         self.runner = self.runner_factory(self.config)
@@ -52,6 +57,16 @@ class ThreadExecutor:
         except Exception as exc:
             self._dead = exc
             raise ExecutorDeadError(f"model runner failed: {exc!r}") from exc
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Starts the step on the executor's own thread (after the steps submitted before it)."""
+        if self._stepper is None:
+            self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aserve-step")
+        self._submitted.append(self._stepper.submit(self.execute, scheduler_output))
+
+    def collect(self) -> RunnerOutput:
+        """The oldest submitted step's output (blocking); failures as `execute`."""
+        return self._submitted.popleft().result()
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Raises LoRAAdapterError for any failure to load the adapter (the runner's state is unchanged)."""
@@ -85,6 +100,9 @@ class ThreadExecutor:
 
     def shutdown(self) -> None:
         """Releases the runner's memory now (a later engine in this process finds the device free)."""
+        if self._stepper is not None:  # the steps already submitted finish first
+            self._stepper.shutdown(wait=True)
+            self._stepper = None
         runner, self.runner = self.runner, None
         if runner is not None and hasattr(runner, "sleep_state"):  # a real ModelRunner (tests may hand in fakes)
             from aserve.runner.sleep_mode import release_runner

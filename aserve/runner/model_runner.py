@@ -75,6 +75,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_kv_caches: list[torch.Tensor] = []
         self.states: dict[str, CachedRequestState] = {}
+        self._failed_alone: set[str] = set()  # failed in a step, not yet in finished_req_ids
         self.sampler = Sampler(self.arch.vocab_size, self.device, seed=config.model.seed)
         self.structured = StructuredOutputs(config, max_num_rows=config.scheduler.max_num_seqs)
         self.step_sampler = StepSampler(self.sampler, self.structured, make_typical_acceptance(config.speculative))
@@ -309,13 +310,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         return self.step_sampler.sample(logits, inputs.sample_req_ids, self.states, spec, fill)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput, on_progress: Callable[[RunnerOutput], None] | None = None
                 ) -> RunnerOutput:
         """Runs one step (with `so.decode_steps`, a multi-step call: `runner/multi_step.py`; `on_progress`
         then receives each decode step's output but the last, which is returned). Requests that fail
         alone (see the module docstring) are in `failed_requests` and nowhere else in the output, and
-        their state is gone; any exception raised is fatal."""
+        their state is gone (a step scheduled before the failure came back skips them); any exception
+        raised is fatal."""
+        self._failed_alone.difference_update(so.finished_req_ids)
+        out = self._execute(so, on_progress)
+        self._failed_alone.update(out.failed_requests)
+        return out
+
+    @torch.inference_mode()
+    def _execute(self, so: SchedulerOutput, on_progress: Callable[[RunnerOutput], None] | None) -> RunnerOutput:
         for req_id in so.finished_req_ids:
             self._remove_request(req_id)
         self._apply_block_ops(so)
@@ -328,14 +336,17 @@ class ModelRunner:
                 failed[new.req_id] = f"could not set up sampling for this request: {type(e).__name__}: {e}"
                 if self.stage is not None:  # its rows still run: every stage packs the same token rows
                     self._add_request(new, sampling=False)
+        # async scheduling: a request that failed alone in the step before may be in this one too
+        gone = {c.req_id for c in so.cached_requests if c.req_id in self._failed_alone}
         for cached in so.cached_requests:
-            self._update_request(cached)
+            if cached.req_id not in gone:
+                self._update_request(cached)
         if self.lora is not None:  # requests whose adapter cannot be loaded fail alone
             for req_id, message in self.lora.load_missing(so.scheduled_req_ids).items():
                 failed[req_id] = message
                 self._remove_request(req_id)
         scheduled = [(r, n) for r, n in zip(so.scheduled_req_ids, so.num_scheduled_tokens)
-                     if r not in failed or self.stage is not None]
+                     if (r not in failed or self.stage is not None) and r not in gone]
         if not scheduled:
             return RunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[], failed_requests=failed)
 

@@ -120,6 +120,8 @@ ENGINE_HELP = {
                            "steps per scheduling call (fewer scheduler and IPC round trips per token)",
     "multi_step_stream_outputs": "stream each decode step's tokens as it runs (--no-multi-step-stream-outputs: "
                                  "all of a multi-step call's tokens at its end)",
+    "async_scheduling": "schedule the next step while the current one runs, so the runner never waits for the "
+                        "scheduler (the request's next input is the token the runner just sampled)",
     "task": "what the model serves: auto, generate, embed (alias embedding), classify, score (a cross-encoder) "
             "or encode (raw pooled states)",
     "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",

@@ -47,6 +47,7 @@ _G = {
     "scheduler": """max_num_batched_tokens max_num_seqs enable_chunked_prefill preemption_mode scheduling_policy
         disable_async_output_proc max_paddings scheduler_delay_factor max_num_partial_prefills
         max_long_partial_prefills long_prefill_token_threshold num_scheduler_steps multi_step_stream_outputs
+        async_scheduling
         num_lookahead_slots scheduler_cls""",
     "parallel": """distributed_executor_backend tensor_parallel_size pipeline_parallel_size data_parallel_size
         data_parallel_rank disable_custom_all_reduce worker_use_ray ray_workers_use_nsight engine_use_ray enable_expert_parallel
