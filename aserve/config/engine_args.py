@@ -123,8 +123,9 @@ class EngineArgs:
     # async engine streams each step's tokens as it runs or all of a call's at its end
     num_scheduler_steps: int = 1
     multi_step_stream_outputs: bool = True
-    # schedule the next step while this one runs (aserve/core/async_scheduling.py)
-    async_scheduling: bool = False
+    # schedule the next step while this one runs (aserve/core/steps_in_flight.py); None: on with a worker
+    # process (mp, ray) where nothing it cannot combine with is asked for
+    async_scheduling: bool | None = None
     rope_scaling: dict[str, Any] | None = None
     rope_theta: float | None = None
     hf_overrides: dict[str, Any] | None = None

@@ -181,6 +181,9 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     )
     speculative = resolve_speculative_config(args, arch, model_impl=model_impl, is_pooling=pooling is not None,
                                              max_model_len=max_model_len, draft_model_path=draft_model_path)
+    async_scheduling = args.async_scheduling if args.async_scheduling is not None else (
+        backend in ("mp", "ray") and speculative is None and args.num_scheduler_steps == 1
+        and args.pipeline_parallel_size == 1)
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     if model_impl == "transformers":
         compilation = eager_for_transformers(compilation, device)
@@ -221,8 +224,8 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
             num_lookahead_slots=resolve_num_lookahead_slots(args, speculative),
             num_scheduler_steps=args.num_scheduler_steps,
             multi_step_stream_outputs=args.multi_step_stream_outputs,
-            async_scheduling=args.async_scheduling,
-            max_steps_in_flight=2 if args.async_scheduling else args.pipeline_parallel_size,
+            async_scheduling=async_scheduling,
+            max_steps_in_flight=2 if async_scheduling else args.pipeline_parallel_size,
         ),
         load=LoadConfig(load_format="auto" if bnb_format else args.load_format, quantization=quantization,
                         quant_spec=quant_spec,

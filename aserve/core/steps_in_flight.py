@@ -39,8 +39,9 @@ class StepsInFlight:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._counts
 
-    def __bool__(self) -> bool:
-        return bool(self._counts)
+    def __len__(self) -> int:
+        """Requests in steps in flight."""
+        return len(self._counts)
 
     def may_run_ahead(self, req: Request) -> bool:
         """Whether `req`, in a step in flight, may be in the next step too: async scheduling, the step in

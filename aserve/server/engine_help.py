@@ -121,7 +121,8 @@ ENGINE_HELP = {
     "multi_step_stream_outputs": "stream each decode step's tokens as it runs (--no-multi-step-stream-outputs: "
                                  "all of a multi-step call's tokens at its end)",
     "async_scheduling": "schedule the next step while the current one runs, so the runner never waits for the "
-                        "scheduler (the request's next input is the token the runner just sampled)",
+                        "scheduler (a decoding request's next input is the token the runner just sampled; "
+                        "--no-async-scheduling: one step at a time)",
     "task": "what the model serves: auto, generate, embed (alias embedding), classify, score (a cross-encoder) "
             "or encode (raw pooled states)",
     "runner": "auto, generate or pooling (pooling serves any supported causal family as a last-token embedder)",
@@ -143,6 +144,8 @@ ENGINE_HELP = {
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 ENGINE_DEFAULTS = {
     "disable_async_output_proc": "on CPU, off elsewhere",
+    "async_scheduling": "on with a worker process (the server's mp executor, ray) unless speculative decoding, "
+                        "multi-step decode or pipeline parallelism is asked for; off with uni",
     "model": f"'', the bundled {BUNDLED_MODEL_NAME}",
     "tokenizer": "the --model",
     "max_model_len": "from the model's config.json",
