@@ -141,6 +141,63 @@ static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin,
     *end = (*begin + per) < units ? (*begin + per) : units;
 }
 
+/* Chunks of a parallel loop shared with stealing: each thread starts on its own contiguous range (one
+ * long weight stream, as with thread_share) from the front, then takes chunks from the back of the other
+ * threads' ranges. A thread the OS or the hypervisor pauses (on a small VM the server's own threads run
+ * on the same cores) then delays the loop by about its share of the pause, not by all of it. Each range
+ * packs its next (low 32 bits) and end (high 32 bits) chunk in one word claimed by compare-and-swap.
+ * Fill with shared_chunks_init before the parallel region; a team smaller than it planned for (an `if`
+ * clause, fewer threads) leaves ranges with no owner, which the others steal. */
+#define SHARED_CHUNKS_TEAM 64
+typedef struct {
+    uint64_t range[SHARED_CHUNKS_TEAM];
+    int64_t ranges;
+} shared_chunks;
+
+static inline void shared_chunks_init(shared_chunks *w, int64_t chunks) {
+#if defined(_OPENMP)
+    int64_t nt = omp_get_max_threads();
+#else
+    int64_t nt = 1;
+#endif
+    nt = nt < SHARED_CHUNKS_TEAM ? nt : SHARED_CHUNKS_TEAM;
+    const int64_t per = (chunks + nt - 1) / nt;
+    for (int64_t t = 0; t < nt; t++) {
+        const uint64_t lo = (uint64_t)(t * per < chunks ? t * per : chunks);
+        const uint64_t hi = (uint64_t)((t + 1) * per < chunks ? (t + 1) * per : chunks);
+        w->range[t] = lo | (hi << 32);
+    }
+    w->ranges = nt;
+}
+
+/* The next chunk index from range r: its front (front != 0) or its back; -1 when it is empty. */
+static inline int64_t shared_chunks_claim(shared_chunks *w, int64_t r, int front) {
+    uint64_t cur = __atomic_load_n(&w->range[r], __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t lo = cur & 0xFFFFFFFFu, hi = cur >> 32;
+        if (lo >= hi) return -1;
+        const uint64_t next = front ? (lo + 1) | (hi << 32) : lo | ((hi - 1) << 32);
+        if (__atomic_compare_exchange_n(&w->range[r], &cur, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int64_t)(front ? lo : hi - 1);
+    }
+}
+
+/* This thread's next chunk (call inside the parallel region with *cursor = 0 at first), or -1 when every
+ * chunk has been claimed. */
+static inline int64_t shared_chunks_next(shared_chunks *w, int64_t *cursor) {
+#if defined(_OPENMP)
+    const int64_t t = omp_get_thread_num();
+#else
+    const int64_t t = 0;
+#endif
+    for (; *cursor < w->ranges; (*cursor)++) {
+        const int64_t r = (t + *cursor) % w->ranges;
+        const int64_t c = shared_chunks_claim(w, r, *cursor == 0 && t < w->ranges);
+        if (c >= 0) return c;
+    }
+    return -1;
+}
+
 /* The kernels cpu_decode_step.c composes (defined in cpu_ops.c and cpu_matmul.c; declared here so the
  * compiler checks every definition against its use). */
 void add_rms_norm_bf16(const void *x, int64_t x_stride, int64_t x_f32, const void *residual, int64_t res_stride,

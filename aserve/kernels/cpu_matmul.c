@@ -54,18 +54,19 @@ static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64
 /* y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]); bf16 in and out, fp32 accumulation, one rounding.
  * x rows have stride x_stride, y rows y_stride (elements); w is contiguous (Hugging Face layout). y is
  * float32 (no rounding) when y_f32 is non-zero. Output
- * rows are split across threads; each thread streams its own contiguous part of w once, 4 rows at a
- * time, against every row of x (so w is read from memory once whatever M is). */
+ * rows are split across threads (shared_chunks: a contiguous part each, then stealing); each streams
+ * its part of w once, 4 rows at a time, against every row of x (so w is read from memory once whatever M is). */
 void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bias, void *y, int64_t y_stride,
                  int64_t M, int64_t N, int64_t K, int64_t y_f32) {
+    shared_chunks work;
+    shared_chunks_init(&work, (N + 3) / 4); /* chunks of 4 weight rows */
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t n_begin, n_end;
-        thread_share(N, 4, &n_begin, &n_end);
-        for (int64_t n0 = n_begin; n0 < n_end; n0 += 4) {
-            const int64_t nb = (n_end - n0) < 4 ? (n_end - n0) : 4;
+        int64_t cursor = 0, chunk;
+        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
+            const int64_t n0 = chunk * 4, nb = (N - n0) < 4 ? (N - n0) : 4;
             const bf16 *wb = w + n0 * K;
-            const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= n_end) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
+            const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= N) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
                 float sums[4][4];
@@ -127,18 +128,19 @@ static inline __attribute__((always_inline)) void vnni_block(const bf16 *x, int6
 /* y [M, N] = x [M, K] @ W^T (+ bias) with W pre-packed in pairs along K ("VNNI" layout): w_packed is
  * [N / 16][K / 2][16][2] bf16 (pack with cpu_ops.pack_vnni), N % 16 == 0, K even. Register blocks of
  * 6 rows x 64 columns accumulate with one broadcast x pair per 16-column dot product (no horizontal
- * sums); each thread owns a contiguous range of columns, so every weight byte is read once per 6 rows
- * from cache and once from memory. y is bf16, or fp32 when y_f32. AVX512-BF16 only (returns -1 otherwise). */
+ * sums); each thread starts on a contiguous range of columns (shared_chunks, then steals chunks of 64
+ * columns), so every weight byte is read once per 6 rows from cache and once from memory. y is bf16, or fp32 when y_f32. AVX512-BF16 only (returns -1 otherwise). */
 int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
                          int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
 #if defined(__AVX512BF16__)
     const int64_t groups = N / 16;
+    shared_chunks work;
+    shared_chunks_init(&work, (groups + 3) / 4); /* chunks of 4 column groups: one register block wide */
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t g_begin, g_end;
-        thread_share(groups, 1, &g_begin, &g_end);
-        for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
-            const int64_t ng = (g_end - g0) < 4 ? (g_end - g0) : 4;
+        int64_t cursor = 0, chunk;
+        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
+            const int64_t g0 = chunk * 4, ng = (groups - g0) < 4 ? (groups - g0) : 4;
             const bf16 *wp = w_packed + g0 * (K / 2) * 32;
             for (int64_t m0 = 0; m0 < M; m0 += 6) {
                 const int64_t mb = (M - m0) < 6 ? (M - m0) : 6;
@@ -237,13 +239,14 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
             for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += bf16_to_f32(x[i * x_stride + k]);
             xsum[i * groups + g] = s;
         }
+    const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
+    shared_chunks work;
+    shared_chunks_init(&work, (col_groups + step - 1) / step);
 #pragma omp parallel if (N * K > 65536)
     {
-        const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
-        int64_t c_begin, c_end;
-        thread_share(col_groups, step, &c_begin, &c_end);
-        for (int64_t c0 = c_begin; c0 < c_end; c0 += step) {
-            const int64_t ng = (c_end - c0) < step ? (c_end - c0) : step;
+        int64_t cursor = 0, chunk;
+        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
+            const int64_t c0 = chunk * step, ng = (col_groups - c0) < step ? (col_groups - c0) : step;
             const uint8_t *qp = q_packed + c0 * K * 8;
             const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
             for (int64_t m0 = 0; m0 < M; m0 += 4) {

@@ -140,6 +140,34 @@ def test_linear_vnni(kernels, rows):
     torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_products_split_among_threads_cover_every_column_once(kernels, threads, rows):
+    """Past the parallel threshold the threads share the columns (each its own range, then stealing from
+    the back of the others'); with any team size, every column is computed once and right. Below the
+    threshold (the small tests above) one thread takes every range."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        weight = _rand(336, 256, seed=21, scale=0.2)  # 21 groups of 16 columns: ranges of unequal chunks
+        x = _rand(rows, 256, seed=22)
+        want = x.float() @ weight.float().T
+        torch.testing.assert_close(kernels.linear(x, weight, None, torch.float32), want, rtol=1e-5, atol=1e-5)
+        if not kernels.native_bf16_dot:
+            return  # the packed kernels run on the bf16 dot-product path only
+        torch.testing.assert_close(kernels.linear_vnni(x, kernels.pack_vnni(weight), None, torch.float32), want,
+                                   rtol=1e-5, atol=1e-5)
+        gen = torch.Generator().manual_seed(23)
+        q = torch.randint(0, 16, (336, 256), generator=gen, dtype=torch.uint8)
+        scale = (torch.rand(336, 8, generator=gen) * 0.1).half().float()
+        offset = (torch.randn(336, 8, generator=gen) * 0.1).half().float()
+        dequant = q.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+        torch.testing.assert_close(kernels.linear_int4(x, kernels.pack_int4(q, scale, offset), None, torch.float32),
+                                   x.float() @ dequant.T, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6])  # blocks: 1-2 rows x 64 columns, 4 rows x 32
 def test_linear_int4(kernels, rows):
     gen = torch.Generator().manual_seed(18)
