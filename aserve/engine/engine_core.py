@@ -164,7 +164,7 @@ class EngineCore:
         return scheduler_output if scheduler_output.needs_runner else None
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Starts the step without waiting (blocking only to hand it over)."""
+        """Starts the step without waiting (the executor only queues it: no blocking)."""
         self._executor.submit(scheduler_output)
         self._steps_in_flight.append((scheduler_output, time.perf_counter()))
 

@@ -3,8 +3,9 @@ run at once, so every stage has work (vLLM's virtual engines).
 
 Each turn: schedule and submit steps until the pipeline is full or nothing more can run (the scheduler
 leaves requests already in flight out of later steps), then collect the oldest step, apply it and
-deliver its outputs while the later steps still run on the workers. Scheduling, `update` and delivery
-stay on the event loop; only the executor's blocking `submit` / `collect` go to a worker thread.
+deliver its outputs while the later steps still run on the workers. Scheduling, `update`, delivery and
+`submit` (which only hands the step to the executor's own sender) stay on the event loop; only the
+blocking `collect` goes to a worker thread. This loop also runs async scheduling (two steps in flight).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ async def run_pipelined(engine: AsyncEngine) -> None:
             continue
         while (so := core.next_step()) is not None:
             async with engine._executor_lock:
-                await anyio.to_thread.run_sync(core.submit, so)
+                core.submit(so)
         if not core.num_steps_in_flight:  # unfinished requests, none of which can run now
             await anyio.sleep(0.001)
             continue

@@ -30,9 +30,10 @@ class Executor(Protocol):
         output but the last is passed to `on_progress` (on the calling thread) while the call runs."""
         ...
 
-    # Pipeline parallelism (`mp` and `ray` only): a step split in two, so several are in flight.
+    # Several steps in flight (pipeline parallelism, async scheduling): a step split in two.
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Start a step without waiting for its output (blocking only to hand it over)."""
+        """Start a step without waiting for its output; never blocks (the async engine calls it on its event
+        loop): the step is handed to a sender thread or a queue."""
         ...
 
     def collect(self) -> RunnerOutput:
