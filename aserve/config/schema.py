@@ -89,7 +89,7 @@ class SchedulerConfig:
     # multi-step decode (aserve/core/multi_step.py): decode steps per call; stream each step's tokens
     num_scheduler_steps: int = 1
     multi_step_stream_outputs: bool = True
-    # the next step is scheduled and handed to the runner while one runs (aserve/core/async_scheduling.py)
+    # the next step is scheduled and handed to the runner while one runs (aserve/core/steps_in_flight.py)
     async_scheduling: bool = False
     # pipeline parallelism: steps the engine keeps in flight (one per stage), each request in one at most
     max_steps_in_flight: int = 1

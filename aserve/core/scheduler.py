@@ -200,10 +200,7 @@ class Scheduler:
                     break
                 if victim_idx < i:
                     i -= 1
-            if blocks is None:
-                if ahead:
-                    i += 1
-                    continue
+            if blocks is None:  # preempted itself, or ahead without a block: the rest wait for the next step
                 break
             num_scheduled[req.request_id] = num_new
             new_block_ids[req.request_id] = blocks

@@ -11,8 +11,10 @@ is scheduled again in step N+1 for one more token whose id the scheduler does no
 step N appended the token it sampled. When step N's output arrives the placeholder becomes the real
 token (`update` appends it as usual). Only decoding requests run ahead, never past `max_tokens` or
 `max_model_len`; a request that stops in step N (EOS, a stop token or string, an abort) has its token of
-step N+1 computed and dropped, as vLLM does. An ahead decode never preempts another request: without a
-free block it waits for its step to come back. Requests in flight are never preempted.
+step N+1 computed and dropped, as vLLM does. A prefilling request runs its next chunk ahead the same way
+(its tokens are known). Requests in flight are never preempted, and a request running ahead never
+preempts: when one finds no free block, no request after it runs ahead in that step, so the requests the
+preemption policy would pick first are out of flight (preemptible) when the next step is scheduled.
 
 Why this is safe for the KV cache: the runner executes steps in order, so a block freed while step N+1
 is in flight (its request stopped in step N) is written by step N+1 before any later step can read it
@@ -44,10 +46,14 @@ class StepsInFlight:
         return len(self._counts)
 
     def may_run_ahead(self, req: Request) -> bool:
-        """Whether `req`, in a step in flight, may be in the next step too: async scheduling, the step in
-        flight samples for it, and one more token stays within its `max_tokens`."""
-        return (self.ahead and req.num_output_placeholders > 0
-                and req.num_output_tokens + req.num_output_placeholders < req.max_tokens)
+        """Whether `req`, in a step in flight, may be in the next step too (async scheduling): the step in
+        flight samples for it and one more token stays within its `max_tokens`, or it is prefilling and
+        prompt tokens are left (known tokens: its next chunk)."""
+        if not self.ahead:
+            return False
+        if req.num_output_placeholders:
+            return req.num_output_tokens + req.num_output_placeholders < req.max_tokens
+        return req.num_computed_tokens < req.num_tokens
 
     def started(self, scheduled: list[Request]) -> None:
         """A step with these requests was scheduled (their `num_computed_tokens` already count it). A step

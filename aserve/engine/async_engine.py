@@ -14,9 +14,10 @@ and `run()` raises.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 
@@ -125,6 +126,7 @@ class AsyncEngine:
         self.stream_decode_steps = engine.config.scheduler.multi_step_stream_outputs
         # The executor runs one call at a time: a step, or an adapter load between steps (FIFO).
         self._executor_lock = anyio.Lock()
+        self._submits_held = 0  # callers waiting for the steps in flight to drain (`_between_steps`)
         self._asleep: set[str] = set()  # sleep mode: the parts (SLEEP_TAGS) not woken up yet
         self._sleeps_pending = 0  # /sleep calls waiting for a wake-up in progress: requests stay out
         self._sleep_lock = anyio.Lock()  # one sleep or wake-up at a time, its state change included
@@ -209,7 +211,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is dead: {self.dead_error}")
         if self.engine.loras.is_registered(lora_request):
             return False
-        async with self._executor_lock:
+        async with self._between_steps():
             return await anyio.to_thread.run_sync(self.engine.add_lora, lora_request)
 
     async def remove_lora(self, name: str) -> bool:
@@ -217,8 +219,24 @@ class AsyncEngine:
         lora_request = self.engine.loras.get(name)
         if lora_request is None:
             return False
-        async with self._executor_lock:
+        async with self._between_steps():
             return await anyio.to_thread.run_sync(self.engine.remove_lora, lora_request.lora_int_id)
+
+    @asynccontextmanager
+    async def _between_steps(self) -> AsyncIterator[None]:
+        """The executor to the caller alone, with no step running: under async scheduling (or pipeline
+        parallelism) steps stay in flight between the loop's turns, so no new one is submitted until the
+        loop has collected those in flight; then the executor lock, as between two steps."""
+        self._submits_held += 1
+        try:
+            while self.engine.core.num_steps_in_flight:
+                if self.dead_error is not None:
+                    raise EngineDeadError(f"engine is dead: {self.dead_error}")
+                await anyio.sleep(0.001)
+            async with self._executor_lock:
+                yield
+        finally:
+            self._submits_held -= 1
 
     # -- sleep mode -------------------------------------------------------------------------------
     @property

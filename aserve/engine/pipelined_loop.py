@@ -27,7 +27,7 @@ async def run_pipelined(engine: AsyncEngine) -> None:
             await engine._wakeup.wait()
             engine._wakeup = anyio.Event()
             continue
-        while (so := core.next_step()) is not None:
+        while not engine._submits_held and (so := core.next_step()) is not None:
             async with engine._executor_lock:
                 core.submit(so)
         if not core.num_steps_in_flight:  # unfinished requests, none of which can run now

@@ -155,3 +155,51 @@ def test_the_ahead_token_is_a_placeholder_until_its_step_comes_back():
     scheduler.update(third, runner.execute(third))
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert req.output_token_ids == reference_outputs([5, 6, 7], 3, MAX_MODEL_LEN)
+
+
+def test_under_memory_pressure_the_latest_request_is_preempted_not_the_oldest():
+    """Requests in flight are never preempted, and with async scheduling nearly every running request
+    is: a request running ahead that finds no block stops the others from running ahead, so the one the
+    policy picks (fcfs: the latest admitted) is preemptible when the next step is scheduled. Here the
+    oldest needs a block first, with the pool full; running the newer one ahead instead would leave the
+    oldest as the only request out of flight, preempting itself."""
+    scheduler = make_async_scheduler(num_blocks=4)  # 3 usable blocks of 4 tokens
+    prompts = {"oldest": [1, 2, 3, 4], "newest": [5, 6, 7, 8, 9, 10]}  # 1 + 2 blocks: the pool is full
+    for req_id, prompt in prompts.items():
+        scheduler.add_request(make_request(req_id, prompt, max_tokens=6))
+    drive = Drive(scheduler, FakeRunner(4))
+    preempted: list[str] = []
+    original = drive.submit
+
+    def submit() -> bool:
+        before = set(scheduler.requests)
+        ran = original()
+        if ran:
+            preempted.extend(r for r in drive.steps[-1].finished_req_ids if r in before and r in scheduler.requests)
+        return ran
+
+    drive.submit = submit
+    drive.run()
+    assert drive.tokens == {r: reference_outputs(p, 6, MAX_MODEL_LEN) for r, p in prompts.items()}
+    assert preempted and preempted[0] == "newest"
+
+
+def test_a_chunked_prompt_runs_its_next_chunk_ahead():
+    scheduler = make_async_scheduler(64, max_num_batched_tokens=8)
+    scheduler.add_request(make_request("decoding", [1, 2, 3], max_tokens=30))
+    long_prompt = list(range(3, 43))  # 40 tokens: chunks of at most 7 beside the decode
+    drive = Drive(scheduler, FakeRunner(4))
+    while len(drive.steps) < 2 and drive.submit():  # the short prompt, then its first decode ahead
+        pass
+    drive.collect()
+    scheduler.add_request(make_request("long", long_prompt, max_tokens=4))
+    both_in_flight = 0
+    for _ in range(12):
+        while len(drive.steps) < 2 and drive.submit():
+            pass
+        both_in_flight += all("long" in so.scheduled_req_ids for so in drive.steps) and len(drive.steps) == 2
+        drive.collect()
+    assert both_in_flight >= 3  # consecutive chunks in the two steps in flight, not every other step
+    drive.run()
+    assert drive.tokens["long"] == reference_outputs(long_prompt, 4, MAX_MODEL_LEN)
+    assert drive.tokens["decoding"] == reference_outputs([1, 2, 3], 30, MAX_MODEL_LEN)

@@ -142,3 +142,50 @@ def test_a_request_failing_alone_with_its_next_step_in_flight_ends_alone(tiny_ll
         assert core.scheduler.kv_cache_manager.num_free_blocks == core.runner_info.num_blocks - 1
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_adapters_load_and_unload_while_a_stream_runs_ahead(tmp_path):
+    """Adapter calls go to the worker between steps: with steps in flight the engine stops submitting
+    until they are collected (a load meeting a step in the pipe would read that step's reply)."""
+    from aserve.lora.request import LoRARequest
+    from tests.model.lora._lora_models import save_adapter
+    from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
+
+    hf = save_tiny_hf(tmp_path / "base", "llama", seed=1234, perturb=True, **GREEDY_STABLE)
+    save_adapter(hf, tmp_path / "a1", seed=11)
+    reference = hf_greedy(str(tmp_path / "base"), PROMPTS[:2], 40, ignore_eos=True)
+
+    async def main():
+        args = EngineArgs(model=str(tmp_path / "base"), dtype="float32", skip_tokenizer_init=True,
+                          max_model_len=256, cpu_kvcache_space=0.02, enable_lora=True, max_lora_rank=8)
+        engine = AsyncEngine.from_engine_args(args)
+        assert engine.engine.core.max_steps_in_flight == 2  # async scheduling, on by default with mp
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        got: dict[int, list[int]] = {}
+        tokens_seen = anyio.Event()
+
+        async def one(i: int) -> None:
+            async for out in engine.add_request(f"r{i}", None, PROMPTS[i], params):
+                got.setdefault(i, []).extend(out.outputs[0].token_ids)
+                if len(got[i]) >= 3:
+                    tokens_seen.set()
+
+        async def adapters() -> None:
+            await tokens_seen.wait()
+            for _ in range(3):
+                assert await engine.add_lora(LoRARequest("a1", 1, str(tmp_path / "a1")))
+                assert await engine.remove_lora("a1")
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(engine.run)
+            async with anyio.create_task_group() as work:
+                work.start_soon(one, 0)
+                work.start_soon(one, 1)
+                work.start_soon(adapters)
+            engine.shutdown()
+        assert engine.dead_error is None
+        assert [got[0], got[1]] == reference
+
+    anyio.run(main)
