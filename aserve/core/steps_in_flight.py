@@ -9,10 +9,10 @@ step N ends instead of waiting for a round trip through the scheduler. A request
 is scheduled again in step N+1 for one more token whose id the scheduler does not know yet: a
 *placeholder* (`Request.num_output_placeholders`). The runner takes that input from its own state, where
 step N appended the token it sampled. When step N's output arrives the placeholder becomes the real
-token (`update` appends it as usual). Only decoding requests run ahead, never past `max_tokens` or
-`max_model_len`; a request that stops in step N (EOS, a stop token or string, an abort) has its token of
-step N+1 computed and dropped, as vLLM does. A prefilling request runs its next chunk ahead the same way
-(its tokens are known). Requests in flight are never preempted, and a request running ahead never
+token (`update` appends it as usual). A request runs ahead only where the scheduler knows what it
+computes: a decode's next token (never past `max_tokens` or `max_model_len`) or a prompt's next chunk. A
+request that stops in step N (EOS, a stop token or string, an abort) has its token of step N+1 computed
+and dropped, as vLLM does. Requests in flight are never preempted, and a request running ahead never
 preempts: when one finds no free block, no request after it runs ahead in that step, so the requests the
 preemption policy would pick first are out of flight (preemptible) when the next step is scheduled.
 
