@@ -125,6 +125,63 @@ static inline __attribute__((always_inline)) void vnni_block(const bf16 *x, int6
 }
 #endif
 
+#if defined(__AVX512BF16__)
+#define ROW_GROUPS 8 /* column groups of 16 a one-row chunk streams at once */
+
+/* One row of x against NG <= ROW_GROUPS groups of 16 columns: vnni_block's sums in vnni_block's order (one
+ * accumulator per group, k-pairs in sequence, so a row's result does not depend on M), with twice the
+ * groups and two k-pairs per iteration: more weight loads in flight, which is what one row waits on. */
+static inline __attribute__((always_inline)) void vnni_row(const bf16 *x, const bf16 *wp, int64_t K, const int64_t NG,
+                                                           __m512 acc[ROW_GROUPS]) {
+    const int64_t pairs = K / 2, group_stride = pairs * 32;
+    for (int64_t j = 0; j < NG; j++) acc[j] = _mm512_setzero_ps();
+    int64_t kp = 0;
+    for (; kp + 2 <= pairs; kp += 2) {
+        int32_t p0, p1;
+        memcpy(&p0, x + 2 * kp, sizeof(p0));
+        memcpy(&p1, x + 2 * kp + 2, sizeof(p1));
+        const __m512bh a0 = (__m512bh)_mm512_set1_epi32(p0), a1 = (__m512bh)_mm512_set1_epi32(p1);
+        __m512bh b0[ROW_GROUPS], b1[ROW_GROUPS];
+        for (int64_t j = 0; j < NG; j++) {
+            b0[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_stride + kp * 32);
+            b1[j] = (__m512bh)_mm512_loadu_si512(wp + j * group_stride + kp * 32 + 32);
+        }
+        for (int64_t j = 0; j < NG; j++) acc[j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[j], a0, b0[j]), a1, b1[j]);
+    }
+    if (kp < pairs) {
+        int32_t p0;
+        memcpy(&p0, x + 2 * kp, sizeof(p0));
+        const __m512bh a0 = (__m512bh)_mm512_set1_epi32(p0);
+        for (int64_t j = 0; j < NG; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], a0, (__m512bh)_mm512_loadu_si512(wp + j * group_stride + kp * 32));
+    }
+}
+
+/* linear_vnni_bf16 for one row: chunks of ROW_GROUPS column groups shared among the threads. */
+static void vnni_one_row(const bf16 *x, const bf16 *w_packed, const bf16 *bias, void *y, int64_t N, int64_t K,
+                         int64_t y_f32) {
+    const int64_t groups = N / 16;
+    shared_chunks work;
+    shared_chunks_init(&work, (groups + ROW_GROUPS - 1) / ROW_GROUPS);
+#pragma omp parallel if (N * K > 65536)
+    {
+        int64_t cursor = 0, chunk;
+        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
+            const int64_t g0 = chunk * ROW_GROUPS, ng = (groups - g0) < ROW_GROUPS ? (groups - g0) : ROW_GROUPS;
+            const bf16 *wp = w_packed + g0 * (K / 2) * 32;
+            __m512 acc[ROW_GROUPS];
+            if (ng == ROW_GROUPS) vnni_row(x, wp, K, ROW_GROUPS, acc);
+            else vnni_row(x, wp, K, ng, acc);
+            for (int64_t j = 0; j < ng; j++) {
+                float v[16];
+                _mm512_storeu_ps(v, acc[j]);
+                store_outputs(y, (g0 + j) * 16, v, bias ? bias + (g0 + j) * 16 : NULL, 16, y_f32);
+            }
+        }
+    }
+}
+#endif
+
 /* y [M, N] = x [M, K] @ W^T (+ bias) with W pre-packed in pairs along K ("VNNI" layout): w_packed is
  * [N / 16][K / 2][16][2] bf16 (pack with cpu_ops.pack_vnni), N % 16 == 0, K even. Register blocks of
  * 6 rows x 64 columns accumulate with one broadcast x pair per 16-column dot product (no horizontal
@@ -133,6 +190,10 @@ static inline __attribute__((always_inline)) void vnni_block(const bf16 *x, int6
 int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
                          int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
 #if defined(__AVX512BF16__)
+    if (M == 1) { /* a decode step's row: a weight stream with more loads in flight, the same sums */
+        vnni_one_row(x, w_packed, bias, y, N, K, y_f32);
+        return 0;
+    }
     const int64_t groups = N / 16;
     shared_chunks work;
     shared_chunks_init(&work, (groups + 3) / 4); /* chunks of 4 column groups: one register block wide */

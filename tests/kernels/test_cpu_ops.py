@@ -140,6 +140,21 @@ def test_linear_vnni(kernels, rows):
     torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_features", [576, 70])  # 70: an odd count of k-pairs (the one-row tail)
+def test_linear_vnni_one_row_sums_as_in_a_batch(kernels, in_features):
+    """A decode step's single row has its own loop (more weight loads in flight) with the batch's order of
+    sums: each row is bitwise the same alone or among others."""
+    if not kernels.native_bf16_dot:
+        pytest.skip("the packed kernels run on the bf16 dot-product path")
+    weight, bias = _rand(336, in_features, seed=24, scale=0.2), _rand(336, seed=25)
+    packed, x = kernels.pack_vnni(weight), _rand(7, in_features, seed=26)
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = kernels.linear_vnni(x, packed, bias, dtype)
+        alone = torch.cat([kernels.linear_vnni(x[i:i + 1], packed, bias, dtype) for i in range(7)])
+        assert torch.equal(alone, batch)
+    torch.testing.assert_close(batch.float(), x.float() @ weight.float().T + bias.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [1, 7])
 def test_products_split_among_threads_cover_every_column_once(kernels, threads, rows):
