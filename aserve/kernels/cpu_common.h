@@ -151,10 +151,14 @@ static inline void thread_share(int64_t units, int64_t multiple, int64_t *begin,
 #define SHARED_CHUNKS_TEAM 64
 typedef struct {
     uint64_t range[SHARED_CHUNKS_TEAM];
-    int64_t ranges;
+    int64_t ranges, units, per_chunk;
 } shared_chunks;
 
-static inline void shared_chunks_init(shared_chunks *w, int64_t chunks) {
+/* `units` (columns, groups of columns, ...) in chunks of `per_chunk` (the last may be shorter). */
+static inline void shared_chunks_init(shared_chunks *w, int64_t units, int64_t per_chunk) {
+    const int64_t chunks = (units + per_chunk - 1) / per_chunk;
+    w->units = units;
+    w->per_chunk = per_chunk;
 #if defined(_OPENMP)
     int64_t nt = omp_get_max_threads();
 #else
@@ -182,9 +186,9 @@ static inline int64_t shared_chunks_claim(shared_chunks *w, int64_t r, int front
     }
 }
 
-/* This thread's next chunk (call inside the parallel region with *cursor = 0 at first), or -1 when every
- * chunk has been claimed. */
-static inline int64_t shared_chunks_next(shared_chunks *w, int64_t *cursor) {
+/* This thread's next chunk index (call inside the parallel region with *cursor = 0 at first), or -1 when
+ * every chunk has been claimed. */
+static inline int64_t shared_chunks_claim_next(shared_chunks *w, int64_t *cursor) {
 #if defined(_OPENMP)
     const int64_t t = omp_get_thread_num();
 #else
@@ -196,6 +200,15 @@ static inline int64_t shared_chunks_next(shared_chunks *w, int64_t *cursor) {
         if (c >= 0) return c;
     }
     return -1;
+}
+
+/* This thread's next chunk as its first unit and unit count; 0 when every chunk has been claimed. */
+static inline int shared_chunks_next(shared_chunks *w, int64_t *cursor, int64_t *first, int64_t *count) {
+    const int64_t c = shared_chunks_claim_next(w, cursor);
+    if (c < 0) return 0;
+    *first = c * w->per_chunk;
+    *count = (w->units - *first) < w->per_chunk ? (w->units - *first) : w->per_chunk;
+    return 1;
 }
 
 /* The kernels cpu_decode_step.c composes (defined in cpu_ops.c and cpu_matmul.c; declared here so the

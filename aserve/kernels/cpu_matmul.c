@@ -59,12 +59,11 @@ static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64
 void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bias, void *y, int64_t y_stride,
                  int64_t M, int64_t N, int64_t K, int64_t y_f32) {
     shared_chunks work;
-    shared_chunks_init(&work, (N + 3) / 4); /* chunks of 4 weight rows */
+    shared_chunks_init(&work, N, 4); /* chunks of 4 weight rows */
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t cursor = 0, chunk;
-        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
-            const int64_t n0 = chunk * 4, nb = (N - n0) < 4 ? (N - n0) : 4;
+        int64_t cursor = 0, n0, nb;
+        while (shared_chunks_next(&work, &cursor, &n0, &nb)) {
             const bf16 *wb = w + n0 * K;
             const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= N) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -162,12 +161,11 @@ static void vnni_one_row(const bf16 *x, const bf16 *w_packed, const bf16 *bias, 
                          int64_t y_f32) {
     const int64_t groups = N / 16;
     shared_chunks work;
-    shared_chunks_init(&work, (groups + ROW_GROUPS - 1) / ROW_GROUPS);
+    shared_chunks_init(&work, groups, ROW_GROUPS);
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t cursor = 0, chunk;
-        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
-            const int64_t g0 = chunk * ROW_GROUPS, ng = (groups - g0) < ROW_GROUPS ? (groups - g0) : ROW_GROUPS;
+        int64_t cursor = 0, g0, ng;
+        while (shared_chunks_next(&work, &cursor, &g0, &ng)) {
             const bf16 *wp = w_packed + g0 * (K / 2) * 32;
             __m512 acc[ROW_GROUPS];
             if (ng == ROW_GROUPS) vnni_row(x, wp, K, ROW_GROUPS, acc);
@@ -196,12 +194,11 @@ int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
     }
     const int64_t groups = N / 16;
     shared_chunks work;
-    shared_chunks_init(&work, (groups + 3) / 4); /* chunks of 4 column groups: one register block wide */
+    shared_chunks_init(&work, groups, 4); /* chunks of 4 column groups: one register block wide */
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t cursor = 0, chunk;
-        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
-            const int64_t g0 = chunk * 4, ng = (groups - g0) < 4 ? (groups - g0) : 4;
+        int64_t cursor = 0, g0, ng;
+        while (shared_chunks_next(&work, &cursor, &g0, &ng)) {
             const bf16 *wp = w_packed + g0 * (K / 2) * 32;
             for (int64_t m0 = 0; m0 < M; m0 += 6) {
                 const int64_t mb = (M - m0) < 6 ? (M - m0) : 6;
@@ -302,12 +299,11 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
         }
     const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
     shared_chunks work;
-    shared_chunks_init(&work, (col_groups + step - 1) / step);
+    shared_chunks_init(&work, col_groups, step);
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t cursor = 0, chunk;
-        while ((chunk = shared_chunks_next(&work, &cursor)) >= 0) {
-            const int64_t c0 = chunk * step, ng = (col_groups - c0) < step ? (col_groups - c0) : step;
+        int64_t cursor = 0, c0, ng;
+        while (shared_chunks_next(&work, &cursor, &c0, &ng)) {
             const uint8_t *qp = q_packed + c0 * K * 8;
             const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
             for (int64_t m0 = 0; m0 < M; m0 += 4) {

@@ -14,13 +14,18 @@ from aserve.config import ConfigError, EngineArgs
 from aserve.engine.async_engine import AsyncEngine
 from aserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.e2e.test_hf_equivalence import MAX_NEW, PROMPTS, _generate, _llm
-from tests.support.multi_rank import CHUNKED_AND_PREEMPTED
+from tests.support.multi_rank import CHUNKED_AND_PREEMPTED, stream_concurrently
 from tests.support.tiny_models import hf_greedy
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     return hf_greedy(tiny_llama, PROMPTS, MAX_NEW, ignore_eos=True)
+
+
+def assert_blocks_returned(llm) -> None:
+    core = llm.engine.core
+    assert core.scheduler.kv_cache_manager.num_free_blocks == core.runner_info.num_blocks - 1
 
 
 def _counting_submits(llm) -> list[int]:
@@ -50,8 +55,7 @@ def test_async_scheduling_matches_hf(tiny_llama, reference, backend, case):
         assert _generate(llm, PROMPTS) == reference
         assert _generate(llm, PROMPTS[:3]) == reference[:3]  # again: prefix-cache hits, fresh request ids
         assert max(ahead) > 0  # requests were scheduled while their previous step ran
-        core = llm.engine.core
-        assert core.scheduler.kv_cache_manager.num_free_blocks == core.runner_info.num_blocks - 1
+        assert_blocks_returned(llm)
     finally:
         llm.engine.shutdown()
 
@@ -87,23 +91,7 @@ def test_the_async_engine_streams_concurrent_requests_with_requests_ahead(tiny_l
                           cpu_kvcache_space=0.02, async_scheduling=True, max_num_seqs=3)
         engine = AsyncEngine.from_engine_args(args)
         assert engine.engine.core._executor.name == "mp"
-        got: dict[int, list[int]] = {}
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
-
-        async def one(i: int) -> None:
-            async for out in engine.add_request(f"r{i}", None, PROMPTS[i], params):
-                got.setdefault(i, []).extend(out.outputs[0].token_ids)
-
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            async with anyio.create_task_group() as requests:
-                for i in range(len(PROMPTS)):
-                    requests.start_soon(one, i)
-            engine.shutdown()
-        assert [got[i] for i in range(len(PROMPTS))] == reference
-        assert engine.engine.core.scheduler.kv_cache_manager.num_free_blocks == \
-            engine.engine.core.runner_info.num_blocks - 1
+        assert await stream_concurrently(engine, PROMPTS, MAX_NEW) == reference
 
     anyio.run(main)
 
@@ -138,8 +126,7 @@ def test_a_request_failing_alone_with_its_next_step_in_flight_ends_alone(tiny_ll
         assert outs[0].outputs[0].finish_reason == "error"
         assert outs[0].outputs[0].token_ids == reference[0][:2]
         assert outs[1].outputs[0].token_ids == reference[1]
-        core = llm.engine.core
-        assert core.scheduler.kv_cache_manager.num_free_blocks == core.runner_info.num_blocks - 1
+        assert_blocks_returned(llm)
     finally:
         llm.engine.shutdown()
 

@@ -13,7 +13,6 @@ import pytest
 
 from aserve.config import EngineArgs
 from aserve.engine.async_engine import AsyncEngine
-from aserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.e2e.test_hf_equivalence import PROMPTS, _generate, _llm
 from tests.support.multi_rank import (
     CHUNKED_AND_PREEMPTED,
@@ -21,6 +20,7 @@ from tests.support.multi_rank import (
     check_killed_rank_fails_the_engine,
     check_matches_one_rank,
     family_model,
+    stream_concurrently,
 )
 from tests.support.tiny_models import GREEDY_STABLE, hf_greedy, save_tiny_hf
 
@@ -87,24 +87,8 @@ def test_the_async_engine_serves_concurrent_requests_with_two_steps_in_flight(ti
             submit(so)
 
         engine.engine.core.submit = counting_submit
-        got: dict[int, list[int]] = {}
-        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
-
-        async def one(i: int) -> None:
-            async for out in engine.add_request(f"r{i}", None, PROMPTS[i], params):
-                got.setdefault(i, []).extend(out.outputs[0].token_ids)
-
-        async with anyio.create_task_group() as tg:
-            await tg.start(engine.run)
-            async with anyio.create_task_group() as requests:
-                for i in range(len(PROMPTS)):
-                    requests.start_soon(one, i)
-            engine.shutdown()
-        assert [got[i] for i in range(len(PROMPTS))] == reference
+        assert await stream_concurrently(engine, PROMPTS, MAX_NEW) == reference
         assert max(submitted) > 0  # a step was submitted while another one's requests were in flight
-        assert engine.engine.core.scheduler.kv_cache_manager.num_free_blocks == \
-            engine.engine.core.runner_info.num_blocks - 1
 
     anyio.run(main)
 

@@ -1,6 +1,7 @@
 """Shared checks of multi-rank engines (tensor and pipeline parallelism): greedy tokens equal to one rank
 and to transformers under chunked prefill and preemption, and a rank killed mid-stream failing the
-engine at once."""
+engine at once; and a driver streaming concurrent requests through an async engine with several steps
+in flight (pipeline parallelism, async scheduling)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,25 @@ def check_killed_rank_fails_the_engine(model: str, prompt: list[int], victim: in
                     os.kill(pid, 0)
 
     anyio.run(main)
+
+
+async def stream_concurrently(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Runs `engine` while every prompt streams at once (greedy, EOS ignored), shuts it down and returns
+    each prompt's tokens; asserts every KV block came back."""
+    got: dict[int, list[int]] = {}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def one(i: int) -> None:
+        async for out in engine.add_request(f"r{i}", None, prompts[i], params):
+            got.setdefault(i, []).extend(out.outputs[0].token_ids)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        async with anyio.create_task_group() as requests:
+            for i in range(len(prompts)):
+                requests.start_soon(one, i)
+        engine.shutdown()
+    core = engine.engine.core
+    assert core.scheduler.kv_cache_manager.num_free_blocks == core.runner_info.num_blocks - 1
+    return [got[i] for i in range(len(prompts))]
