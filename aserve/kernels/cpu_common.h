@@ -17,8 +17,15 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+/* The packed matrix products' AVX2 + FMA form (cpu_matmul_avx2.c), for CPUs without AVX512-BF16. */
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ASERVE_PACKED_AVX2 1
+#else
+#define ASERVE_PACKED_AVX2 0
 #endif
 
 typedef uint16_t bf16;
@@ -42,6 +49,15 @@ static inline bf16 f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (bf16)(u >> 16);
+}
+
+/* y[at + c] = v[c] (+ bias[c]) for c < n, as fp32 when y_f32, else rounded to bf16. */
+static inline void store_outputs(void *y, int64_t at, const float *v, const bf16 *bias, int64_t n, int64_t y_f32) {
+    for (int64_t c = 0; c < n; c++) {
+        const float o = v[c] + (bias ? bf16_to_f32(bias[c]) : 0.0f);
+        if (y_f32) ((float *)y)[at + c] = o;
+        else ((bf16 *)y)[at + c] = f32_to_bf16(o);
+    }
 }
 
 /* exp(x): Cody-Waite range reduction and a degree-6 polynomial, within ~2 ulp of expf for
@@ -239,5 +255,12 @@ void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bia
 int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
                          const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
                          int64_t K, int64_t y_f32, int64_t gs);
+#if ASERVE_PACKED_AVX2 /* the same contracts as the two above (cpu_matmul_avx2.c); -2: out of memory */
+int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
+                         int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32);
+int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
+                         const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
+                         int64_t K, int64_t y_f32, int64_t gs);
+#endif
 
 #endif /* ASERVE_CPU_COMMON_H */

@@ -4,15 +4,6 @@
  */
 #include "cpu_common.h"
 
-/* y[at + c] = v[c] (+ bias[c]) for c < n, as fp32 when y_f32, else rounded to bf16. */
-static inline void store_outputs(void *y, int64_t at, const float *v, const bf16 *bias, int64_t n, int64_t y_f32) {
-    for (int64_t c = 0; c < n; c++) {
-        const float o = v[c] + (bias ? bf16_to_f32(bias[c]) : 0.0f);
-        if (y_f32) ((float *)y)[at + c] = o;
-        else ((bf16 *)y)[at + c] = f32_to_bf16(o);
-    }
-}
-
 /* sums[i][j] = x[i] . w[j] for i < mb, j < nb (x rows x_stride apart, w rows K apart). MB / NB are
  * compile-time bounds where inlined with constants (the accumulators then live in registers). */
 static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64_t x_stride, const bf16 *w,
@@ -85,6 +76,18 @@ void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bia
  * (then linear_bf16 converts to fp32 and is slower than oneDNN: callers keep oneDNN there). */
 int64_t has_native_bf16_dot(void) {
 #if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Which form the packed products (linear_vnni_bf16, linear_int4_bf16) run in: 2 = AVX512-BF16 dot
+ * products, 1 = AVX2 + FMA in fp32 (cpu_matmul_avx2.c), 0 = none (they return -1). */
+int64_t packed_matmul_isa(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif ASERVE_PACKED_AVX2
     return 1;
 #else
     return 0;
@@ -214,6 +217,8 @@ int64_t linear_vnni_bf16(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
         }
     }
     return 0;
+#elif ASERVE_PACKED_AVX2
+    return linear_vnni_avx2(x, x_stride, w_packed, bias, y, y_stride, M, N, K, y_f32);
 #else
     (void)x; (void)x_stride; (void)w_packed; (void)bias; (void)y; (void)y_stride; (void)M; (void)N; (void)K;
     (void)y_f32;
@@ -286,8 +291,8 @@ static inline __attribute__((always_inline)) void int4_block(
 int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d, const uint16_t *m,
                          const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
                          int64_t y_f32, int64_t gs) {
-#if defined(__AVX512BF16__)
     if (gs < 32 || gs % 32 || K % gs) return -3;
+#if defined(__AVX512BF16__)
     const int64_t groups = K / gs, col_groups = N / 16;
     float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
     if (!xsum) return -2;
@@ -321,9 +326,11 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
     }
     free(xsum);
     return 0;
+#elif ASERVE_PACKED_AVX2
+    return linear_int4_avx2(x, x_stride, q_packed, d, m, bias, y, y_stride, M, N, K, y_f32, gs);
 #else
     (void)x; (void)x_stride; (void)q_packed; (void)d; (void)m; (void)bias; (void)y; (void)y_stride; (void)M; (void)N;
-    (void)K; (void)y_f32; (void)gs;
+    (void)K; (void)y_f32;
     return -1;
 #endif
 }

@@ -32,8 +32,9 @@ from aserve.kernels.c_build import log_once as _log_once
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_attention.c", "cpu_prefill_attention.c",
-                                            "cpu_decode_step.c", "cpu_decode_moe.c"))  # all include cpu_common.h
+_SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_matmul_avx2.c", "cpu_attention.c",
+                                            "cpu_prefill_attention.c", "cpu_decode_step.c", "cpu_decode_moe.c"))
+# (all include cpu_common.h)
 _HEADERS = (_HERE / "cpu_common.h", _HERE / "cpu_decode.h")
 
 _BF16 = torch.bfloat16
@@ -70,7 +71,8 @@ def _load_native() -> CpuKernels | None:
         detail = (getattr(e, "stderr", "") or str(e)).strip()[:500]
         _log_once(logging.WARNING, f"CPU kernels: cannot build ({detail}); ops use their slower torch forms")
         return None
-    _log_once(logging.INFO, f"CPU kernels: built for this CPU (native bf16 dot product: {kernels.native_bf16_dot})")
+    _log_once(logging.INFO, f"CPU kernels: built for this CPU (native bf16 dot product: {kernels.native_bf16_dot}; "
+                            f"packed matrix products: {kernels.packed_isa or 'none'})")
     return kernels
 
 
@@ -113,8 +115,13 @@ class CpuKernels:
         self.decode_layers = library.decode_layers_bf16  # typed by its caller (aserve/runner/cpu_decode_step.py)
         self.decode_layers.restype = ctypes.c_int64
         library.has_native_bf16_dot.restype = ctypes.c_int64
+        library.packed_matmul_isa.restype = ctypes.c_int64
         # Whether `linear` runs on the CPU's bf16 dot-product instructions (else fp32 FMAs, slower than oneDNN).
         self.native_bf16_dot = bool(library.has_native_bf16_dot())
+        # The form of the packed products (`linear_vnni`, `linear_int4`, and so the native decode step):
+        # "avx512_bf16" (bf16 dot products), "avx2" (fp32 FMAs on exactly widened weights) or None (absent).
+        self.packed_isa = {2: "avx512_bf16", 1: "avx2"}.get(int(library.packed_matmul_isa()))
+        self.packed_matmuls = self.packed_isa is not None
 
     @staticmethod
     def accepts_rows(x: torch.Tensor) -> bool:
@@ -202,15 +209,19 @@ class CpuKernels:
                     out_dtype: torch.dtype = _BF16) -> torch.Tensor:
         """As `linear`, with the weight from `pack_vnni`: register blocks of 6 rows x 64 columns and no
         horizontal sums, so any M runs near the CPU's bf16 peak (for prefill as fast as oneDNN, for
-        decode faster). Needs `native_bf16_dot`."""
+        decode faster); with AVX2 only, blocks of 4 rows x 16 columns (one row: 64) in fp32 FMAs. Needs
+        `packed_matmuls`."""
         rows, k = x.shape
         n = packed.shape[0] * 16
         if x.stride(1) != 1 or packed.shape[1] * 2 != k or (bias is not None and bias.shape[0] != n):
             raise ValueError(f"linear_vnni: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)}")
         out = torch.empty((rows, n), dtype=out_dtype)
-        if self._linear_vnni(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                             out.data_ptr(), n, rows, n, k, out_dtype == torch.float32):
-            raise RuntimeError("linear_vnni: this build has no native bf16 dot product")
+        status = self._linear_vnni(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
+                                   out_dtype == torch.float32)
+        if status:
+            raise RuntimeError("linear_vnni: this build has no packed matrix products (AVX512-BF16 or AVX2)"
+                               if status == -1 else "linear_vnni: out of memory")
         return out
 
     @staticmethod
@@ -242,7 +253,7 @@ class CpuKernels:
                     out_dtype: torch.dtype = _BF16) -> torch.Tensor:
         """x `[M, K]` (bf16 rows, unit stride) times a `pack_int4` weight (+ bias) -> `[M, N]` in bf16 or
         float32: exact-product sums of codes and x per group, scaled in fp32 (only x is rounded, as in
-        the bf16 path). Needs `native_bf16_dot`."""
+        the bf16 path). Needs `packed_matmuls`."""
         codes, scale, offset = packed
         rows, k = x.shape
         n, gs = codes.shape[0] * 16, k // scale.shape[1]  # the group size the scales were packed with
@@ -253,7 +264,7 @@ class CpuKernels:
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,
                                    out_dtype == torch.float32, gs)
         if status:
-            raise RuntimeError({-1: "linear_int4: this build has no native bf16 dot product",
+            raise RuntimeError({-1: "linear_int4: this build has no packed matrix products (AVX512-BF16 or AVX2)",
                                 -3: f"linear_int4: group size {gs} is not a multiple of 32 dividing K={k}"}
                                .get(status, "linear_int4: out of memory"))
         return out

@@ -132,7 +132,7 @@ class CpuDecodeStep:
     @classmethod
     def build(cls, model: nn.Module, kernels: CpuKernels | None, max_rows: int) -> CpuDecodeStep | None:
         """The step for `model` (its KV cache bound), or None when it does not qualify (logged once)."""
-        if kernels is None or not kernels.native_bf16_dot:
+        if kernels is None or not kernels.packed_matmuls:
             return None
         try:
             step = cls(model, kernels, max_rows)

@@ -131,8 +131,8 @@ def test_linear_vnni(kernels, rows):
     packed = kernels.pack_vnni(weight)
     assert packed.shape == (5, 32, 16, 2) and kernels.pack_vnni(weight[:40]) is None
     x = _rand(rows, 128, seed=17)[:, :64]  # strided rows
-    if not kernels.native_bf16_dot:
-        with pytest.raises(RuntimeError, match="no native bf16"):
+    if not kernels.packed_matmuls:
+        with pytest.raises(RuntimeError, match="no packed matrix products"):
             kernels.linear_vnni(x, packed)
         return
     want = x.float() @ weight.float().T + bias.float()
@@ -144,8 +144,8 @@ def test_linear_vnni(kernels, rows):
 def test_linear_vnni_one_row_sums_as_in_a_batch(kernels, in_features):
     """A decode step's single row has its own loop (more weight loads in flight) with the batch's order of
     sums: each row is bitwise the same alone or among others."""
-    if not kernels.native_bf16_dot:
-        pytest.skip("the packed kernels run on the bf16 dot-product path")
+    if not kernels.packed_matmuls:
+        pytest.skip("no packed products in this build (AVX512-BF16 or AVX2)")
     weight, bias = _rand(336, in_features, seed=24, scale=0.2), _rand(336, seed=25)
     packed, x = kernels.pack_vnni(weight), _rand(7, in_features, seed=26)
     for dtype in (torch.float32, torch.bfloat16):
@@ -168,8 +168,8 @@ def test_products_split_among_threads_cover_every_column_once(kernels, threads, 
         x = _rand(rows, 256, seed=22)
         want = x.float() @ weight.float().T
         torch.testing.assert_close(kernels.linear(x, weight, None, torch.float32), want, rtol=1e-5, atol=1e-5)
-        if not kernels.native_bf16_dot:
-            return  # the packed kernels run on the bf16 dot-product path only
+        if not kernels.packed_matmuls:
+            return  # no packed products in this build (neither AVX512-BF16 nor AVX2)
         torch.testing.assert_close(kernels.linear_vnni(x, kernels.pack_vnni(weight), None, torch.float32), want,
                                    rtol=1e-5, atol=1e-5)
         gen = torch.Generator().manual_seed(23)
@@ -194,8 +194,8 @@ def test_linear_int4(kernels, rows):
     assert packed[0].shape == (3, 24, 32) and kernels.pack_int4(q[:40], scale[:40], offset[:40]) is None
     weight = q.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
     x, bias = _rand(rows, 192, seed=19)[:, :96], _rand(48, seed=20)  # strided rows
-    if not kernels.native_bf16_dot:
-        with pytest.raises(RuntimeError, match="no native bf16"):
+    if not kernels.packed_matmuls:
+        with pytest.raises(RuntimeError, match="no packed matrix products"):
             kernels.linear_int4(x, packed)
         return
     want = x.float() @ weight.T + bias.float()
@@ -219,7 +219,7 @@ def test_linear_int4_wider_groups(kernels, rows, group_size):
     weight = (q.float() * scale.half().float().repeat_interleave(group_size, 1)
               + offset.half().float().repeat_interleave(group_size, 1))
     x = _rand(rows, k, seed=22)
-    if not kernels.native_bf16_dot:
+    if not kernels.packed_matmuls:
         return
     want = x.float() @ weight.T
     torch.testing.assert_close(kernels.linear_int4(x, packed, None, torch.float32), want, rtol=1e-5, atol=1e-4)

@@ -117,7 +117,7 @@ def test_bfloat16_on_cpu_tracks_float32(tmp_path, variant):
     assert bf16.lm_head.weight.dtype == torch.bfloat16
     kernels = cpu_ops.load()
     float_out = {name for name, m in bf16.named_modules() if getattr(m, "float_output", False)}
-    if kernels is not None and kernels.native_bf16_dot:
+    if kernels is not None and kernels.packed_matmuls:
         assert float_out and all(n.endswith(type(bf16).float_output_modules) for n in float_out)
     sequences = _prompts([40, 25, 33, 12], seed=6)
     ref = all_position_logits(fp32, sequences)

@@ -14,8 +14,8 @@ from aserve.kernels import cpu_ops
 from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
 
 kernels = cpu_ops.load()
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.native_bf16_dot,
-                                reason="needs the C kernels with native bf16 dot products (AVX512-BF16)")
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.packed_matmuls,
+                                reason="needs the C kernels with packed products (AVX512-BF16 or AVX2)")
 
 PROMPTS = [[(7 * i + 3) % 500 + 3 for i in range(n)] for n in (5, 19, 33, 2, 41)]
 FAMILIES = {

@@ -133,18 +133,20 @@ def check_gguf_decoding(gguf: GGUFLinearWeights, prefix: str, reference: torch.T
 
 def use_cpu_linear_forms(model: nn.Module) -> int:
     """After loading, for bf16 models on CPU: the float Linear layers and the LM head multiply in aserve's
-    C kernel where it has native bf16 dot products (`cpu_kernel.py`; every Linear named in the model's
-    `float_output_modules` gets `float_output`, which the C-kernel methods honour), else by oneDNN-packed weights where
-    oneDNN has bf16 kernels (`cpu_packed.py`); nothing changes otherwise. Returns how many Linear layers
-    switched."""
+    C kernel where it has packed products (`cpu_kernel.py`: AVX512-BF16 dot products, or fp32 FMAs on
+    AVX2; every Linear named in the model's `float_output_modules` gets `float_output`, which the
+    C-kernel methods honour), else by oneDNN-packed weights where oneDNN has bf16 kernels
+    (`cpu_packed.py`); nothing changes otherwise. Returns how many Linear layers switched."""
     dtype = getattr(model, "dtype", None)
     head = getattr(model, "lm_head", None)
     device = head.weight.device if head is not None else next(model.parameters()).device
-    if dtype is None or not cpu_packing_supported(dtype, device):
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
         return 0
     kernels = cpu_ops.load()
-    if kernels is not None and not kernels.native_bf16_dot:
+    if kernels is not None and not kernels.packed_matmuls:
         kernels = None
+    if kernels is None and not cpu_packing_supported(dtype, device):
+        return 0
     float_outputs = set(getattr(model, "float_output_modules", ()))
     method: LinearMethodBase = CpuKernelLinearMethod(kernels) if kernels is not None else CpuPackedLinearMethod()
     count = 0

@@ -75,12 +75,12 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def _c_kernels(dtype: torch.dtype, group_size: int) -> CpuKernels | None:
-    """aserve's C int4 kernel, where it applies: bf16 activations, groups of a multiple of 32, native bf16
-    dot products."""
+    """aserve's C int4 kernel, where it applies: bf16 activations, groups of a multiple of 32, packed
+    matrix products (AVX512-BF16 or AVX2)."""
     if dtype != torch.bfloat16 or group_size % 32:
         return None
     kernels = cpu_ops.load()
-    return kernels if kernels is not None and kernels.native_bf16_dot else None
+    return kernels if kernels is not None and kernels.packed_matmuls else None
 
 
 def pack_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

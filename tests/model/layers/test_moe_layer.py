@@ -67,7 +67,7 @@ def test_fp32_grouped_forms_match_reference(num_tokens):
 def _bf16_methods():
     methods = []
     kernels = cpu_ops.load()
-    if kernels is not None and kernels.native_bf16_dot:
+    if kernels is not None and kernels.packed_matmuls:
         methods.append(pytest.param(lambda: CpuKernelLinearMethod(kernels), True, id="c-kernel-vnni"))
     if cpu_packing_supported(torch.bfloat16, "cpu"):
         methods.append(pytest.param(CpuPackedLinearMethod, False, id="onednn-packed"))

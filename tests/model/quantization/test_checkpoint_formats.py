@@ -97,7 +97,7 @@ def test_wider_groups_keep_one_scale_per_group_in_bf16(tmp_path, fmt):
     for name, layer in linear_layers(ours):
         assert layer.int4_group_size == 64, name
         kernels = cpu_ops.load()
-        if kernels is not None and kernels.native_bf16_dot:  # the C form: [N/16, K/64, 16] scales
+        if kernels is not None and kernels.packed_matmuls:  # the C form: [N/16, K/64, 16] scales
             assert layer.int4_c_scale.shape[1] == layer.input_size // 64, name
     from tests.model._parity import teacher_forced_parity
 

@@ -14,8 +14,8 @@ from aserve.model.layers.linear import MergedLinear
 from aserve.model.quantization.cpu_kernel import KERNEL_MAX_ROWS, CpuKernelLinearMethod
 
 KERNELS = cpu_ops.load()
-pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.native_bf16_dot,
-                                reason="the C kernels cannot be built here or have no native bf16 dot product")
+pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.packed_matmuls,
+                                reason="the C kernels cannot be built here or have no packed products (AVX512-BF16 or AVX2)")
 
 
 def _layer(output_sizes=(64, 32, 32), float_output=False) -> tuple[MergedLinear, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,175 @@
+/* The packed matrix products (linear_vnni_bf16, linear_int4_bf16 in cpu_matmul.c) on CPUs with AVX2 and
+ * FMA but no AVX512-BF16 (Zen 2 / Zen 3, Intel before Cooper Lake): the same packed layouts, each weight
+ * widened to fp32 exactly (a bf16 is the top half of its fp32; a 4-bit code converts as an integer), x
+ * converted to fp32 once per call, and fp32 FMAs. Every output column has one accumulation order whatever
+ * the block (k in sequence; for 4-bit codes the low and the high nibbles of a step in two accumulators,
+ * added per group), so a row's result is bitwise the same alone or in a batch. Built and loaded by
+ * cpu_ops.py with the other kernels; these functions trust their input.
+ */
+#include "cpu_common.h"
+
+#if ASERVE_PACKED_AVX2
+#include <immintrin.h>
+
+/* x [M, K] bf16 (rows x_stride apart) as contiguous fp32 [M, K]; NULL when it cannot be allocated. */
+static float *rows_to_f32(const bf16 *x, int64_t x_stride, int64_t M, int64_t K) {
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return NULL;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < K; k++) xf[i * K + k] = bf16_to_f32(x[i * x_stride + k]);
+    return xf;
+}
+
+/* y[row, col0 + 8 v + l] = acc[v] lane l (+ bias) for v < nv. */
+static inline void store_vectors(void *y, int64_t at, const __m256 *acc, int64_t nv, const bf16 *bias,
+                                 int64_t y_f32) {
+    for (int64_t v = 0; v < nv; v++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[v]);
+        store_outputs(y, at + 8 * v, out, bias ? bias + 8 * v : NULL, 8, y_f32);
+    }
+}
+
+/* Rows [0, MB) of xf (fp32, row stride K) against NV vectors of 8 columns (NV / 2 groups of 16) of a
+ * pack_vnni weight starting at wp: acc[i][v]. One pair row of a group holds (w[c][k], w[c][k + 1]) per
+ * 32-bit lane, so the even k is the lane shifted left by 16 and the odd k the lane's top half. */
+static inline __attribute__((always_inline)) void vnni_block_avx2(const float *xf, int64_t K, const bf16 *wp,
+                                                                  const int64_t MB, const int64_t NV,
+                                                                  __m256 acc[6][8]) {
+    const int64_t pairs = K / 2, group_stride = pairs * 32;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t i = 0; i < MB; i++)
+        for (int64_t v = 0; v < NV; v++) acc[i][v] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++) {
+        for (int64_t v = 0; v < NV; v++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wp + (v / 2) * group_stride + kp * 32 + (v % 2) * 16));
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            for (int64_t i = 0; i < MB; i++) {
+                const float *xr = xf + i * K + 2 * kp;
+                acc[i][v] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xr + 1),
+                                            _mm256_fmadd_ps(even, _mm256_broadcast_ss(xr), acc[i][v]));
+            }
+        }
+    }
+}
+
+#define AVX2_ROW_VECTORS 8 /* a one-row chunk: 4 groups of 16 columns */
+#define AVX2_BLOCK_ROWS 6  /* a batch's register block: 6 rows x 2 vectors (one group), 12 accumulators */
+
+int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
+                         int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
+    float *xf = rows_to_f32(x, x_stride, M, K);
+    if (!xf) return -2;
+    const int64_t groups = N / 16, per_chunk = M == 1 ? AVX2_ROW_VECTORS / 2 : 1;
+    shared_chunks work;
+    shared_chunks_init(&work, groups, per_chunk);
+#pragma omp parallel if (N * K > 65536)
+    {
+        int64_t cursor = 0, g0, ng;
+        while (shared_chunks_next(&work, &cursor, &g0, &ng)) {
+            const bf16 *wp = w_packed + g0 * (K / 2) * 32;
+            for (int64_t m0 = 0; m0 < M; m0 += AVX2_BLOCK_ROWS) {
+                const int64_t mb = (M - m0) < AVX2_BLOCK_ROWS ? (M - m0) : AVX2_BLOCK_ROWS;
+                const float *xb = xf + m0 * K;
+                __m256 acc[6][8];
+                if (M == 1 && ng == AVX2_ROW_VECTORS / 2) vnni_block_avx2(xb, K, wp, 1, AVX2_ROW_VECTORS, acc);
+                else if (M == 1) vnni_block_avx2(xb, K, wp, 1, 2 * ng, acc);
+                else if (mb == 6) vnni_block_avx2(xb, K, wp, 6, 2, acc);
+                else vnni_block_avx2(xb, K, wp, mb, 2, acc);
+                for (int64_t i = 0; i < mb; i++)
+                    store_vectors(y, (m0 + i) * y_stride + g0 * 16, acc[i], 2 * ng, bias ? bias + g0 * 16 : NULL,
+                                  y_f32);
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* Rows [0, MB) against NV vectors of 8 columns of pack_int4 codes from qp (16 columns per code row),
+ * group by group: total[i][v] = sum over groups of d * (sum of q x) + m * (sum of x). A code byte of step t
+ * (4 values of k) holds, per 32-bit lane after widening a column's two bytes to 16 bits each, q(4t) in
+ * bits 0-3, q(4t + 2) in 4-7, q(4t + 1) in 16-19 and q(4t + 3) in 20-23. */
+static inline __attribute__((always_inline)) void int4_block_avx2(
+    const float *xf, int64_t K, const float *xsum, int64_t groups, const uint8_t *qp, const uint16_t *dp,
+    const uint16_t *mp, int64_t gs, const int64_t MB, const int64_t NV, __m256 total[2][4]) {
+    const int64_t q_stride = K * 8, s_stride = groups * 16, g_steps = gs / 4;
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    for (int64_t i = 0; i < MB; i++)
+        for (int64_t v = 0; v < NV; v++) total[i][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 lo[2][4], hi[2][4]; /* q(4t), q(4t + 1) | q(4t + 2), q(4t + 3) */
+        for (int64_t i = 0; i < MB; i++)
+            for (int64_t v = 0; v < NV; v++) lo[i][v] = hi[i][v] = _mm256_setzero_ps();
+        for (int64_t t = g * g_steps; t < (g + 1) * g_steps; t++) {
+            for (int64_t v = 0; v < NV; v++) {
+                const __m256i c = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)(qp + (v / 2) * q_stride + t * 32 + (v % 2) * 16)));
+                const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(c, nibble));
+                const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c, 16), nibble));
+                const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c, 4), nibble));
+                const __m256 q3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 20));
+                for (int64_t i = 0; i < MB; i++) {
+                    const float *xr = xf + i * K + 4 * t;
+                    lo[i][v] = _mm256_fmadd_ps(q1, _mm256_broadcast_ss(xr + 1),
+                                               _mm256_fmadd_ps(q0, _mm256_broadcast_ss(xr), lo[i][v]));
+                    hi[i][v] = _mm256_fmadd_ps(q3, _mm256_broadcast_ss(xr + 3),
+                                               _mm256_fmadd_ps(q2, _mm256_broadcast_ss(xr + 2), hi[i][v]));
+                }
+            }
+        }
+        for (int64_t v = 0; v < NV; v++) {
+            const int64_t at = (v / 2) * s_stride + g * 16 + (v % 2) * 8;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + at)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + at)));
+            for (int64_t i = 0; i < MB; i++)
+                total[i][v] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[i * groups + g]),
+                                              _mm256_fmadd_ps(d, _mm256_add_ps(lo[i][v], hi[i][v]), total[i][v]));
+        }
+    }
+}
+
+int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
+                         const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
+                         int64_t K, int64_t y_f32, int64_t gs) {
+    const int64_t groups = K / gs, col_groups = N / 16;
+    float *xf = rows_to_f32(x, x_stride, M, K);
+    float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
+    if (!xf || !xsum) {
+        free(xf);
+        free(xsum);
+        return -2;
+    }
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += xf[i * K + k];
+            xsum[i * groups + g] = s;
+        }
+    shared_chunks work;
+    shared_chunks_init(&work, col_groups, M == 1 ? 2 : 1); /* one row: 32 columns a chunk; else 16 */
+#pragma omp parallel if (N * K > 65536)
+    {
+        int64_t cursor = 0, c0, ng;
+        while (shared_chunks_next(&work, &cursor, &c0, &ng)) {
+            const uint8_t *qp = q_packed + c0 * K * 8;
+            const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
+            for (int64_t m0 = 0; m0 < M; m0 += 2) {
+                const int64_t mb = (M - m0) < 2 ? (M - m0) : 2;
+                const float *xb = xf + m0 * K, *xs = xsum + m0 * groups;
+                __m256 total[2][4];
+                if (mb == 1 && ng == 2) int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 1, 4, total);
+                else if (mb == 2 && ng == 1) int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 2, 2, total);
+                else int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, mb, 2 * ng, total);
+                for (int64_t i = 0; i < mb; i++)
+                    store_vectors(y, (m0 + i) * y_stride + c0 * 16, total[i], 2 * ng, bias ? bias + c0 * 16 : NULL,
+                                  y_f32);
+            }
+        }
+    }
+    free(xf);
+    free(xsum);
+    return 0;
+}
+#endif
