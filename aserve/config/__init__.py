@@ -10,7 +10,7 @@ only the standard library, so every layer (the torch-free server and core includ
 names below are the public ones; import them from `aserve.config`.
 """
 
-from aserve.config.cpu_features import cpu_has_native_bf16
+from aserve.config.cpu_features import cpu_bf16_is_fast, cpu_has_native_bf16
 from aserve.config.dtype_policy import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, RESOLVED_DTYPES, resolve_dtype
 from aserve.config.engine_args import LOAD_FORMATS, EngineArgs
 from aserve.config.errors import ConfigError
@@ -35,5 +35,5 @@ __all__ = [
     "BUNDLED_MODEL_HUB_ID", "BUNDLED_MODEL_NAME", "DTYPE_CHOICES", "KV_CACHE_DTYPE_CHOICES", "LOAD_FORMATS", "RESOLVED_DTYPES",
     "SUPPORTED_ARCHITECTURES", "AserveConfig", "ArchConfig", "CacheConfig", "ConfigError", "DeviceConfig",
     "EngineArgs", "GiB", "KVCacheInfo", "LoadConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "RunnerConfig",
-    "SchedulerConfig", "StructuredOutputsConfig", "cpu_has_native_bf16", "resolve_dtype",
+    "SchedulerConfig", "StructuredOutputsConfig", "cpu_bf16_is_fast", "cpu_has_native_bf16", "resolve_dtype",
 ]

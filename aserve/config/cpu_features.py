@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -16,12 +17,28 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     override = os.environ.get("ASERVE_CPU_BF16")
     if override is not None:
         return override.lower() in ("1", "true", "yes")
+    return bool(_cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_bf16_is_fast(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether bf16 models run faster than float32 here: native bf16 units (`cpu_has_native_bf16`, which
+    `ASERVE_CPU_BF16` overrides), or AVX2 + FMA + F16C with aserve's C kernels available (a C compiler on
+    PATH, not switched off by `ASERVE_CPU_KERNELS=0` / `ASERVE_FORCE_NATIVE_OPS=1`): those multiply bf16
+    weights in fp32 FMAs (aserve/kernels/cpu_matmul_avx2.c) and stream half the bytes of float32 ones."""
+    if os.environ.get("ASERVE_CPU_BF16") is not None or cpu_has_native_bf16(cpuinfo):
+        return cpu_has_native_bf16(cpuinfo)
+    kernels_off = os.environ.get("ASERVE_CPU_KERNELS") == "0" or os.environ.get("ASERVE_FORCE_NATIVE_OPS") == "1"
+    compiler = shutil.which(os.environ.get("CC") or "cc") is not None
+    return not kernels_off and compiler and {"avx2", "fma", "f16c"} <= _cpu_flags(cpuinfo)
+
+
+def _cpu_flags(cpuinfo: str) -> set[str]:
+    """The first `flags` line of `cpuinfo` as a set (empty when unreadable: non-Linux hosts)."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()

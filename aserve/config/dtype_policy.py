@@ -6,7 +6,7 @@ names to torch dtypes is `aserve.model.loader.torch_dtype` (config never imports
 
 from __future__ import annotations
 
-from aserve.config.cpu_features import cpu_has_native_bf16
+from aserve.config.cpu_features import cpu_bf16_is_fast
 
 # --dtype spelling -> resolved dtype name.
 _DTYPE_ALIASES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
@@ -21,8 +21,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, cpu
 
     An explicit dtype is taken as asked. `auto` is vLLM's on GPUs: the checkpoint's dtype, with
     float32 (or unknown) checkpoints served in float16. On CPU `auto` ignores the checkpoint's dtype:
-    bfloat16 where the CPU has native bf16 units (`cpu_bf16`, probed when None), float32 elsewhere
-    (fp16 is slow on CPUs, and emulated bf16 is slower than float32).
+    bfloat16 where bf16 is fast here (`cpu_bf16`, probed by `cpu_bf16_is_fast` when None: native bf16
+    units, or AVX2 + FMA with aserve's C kernels), float32 elsewhere (fp16 is slow on CPUs, and
+    torch's emulated bf16 is slower than float32).
     """
     if requested != "auto":
         return _DTYPE_ALIASES[requested]
@@ -31,5 +32,5 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: str, cpu
     if device != "cpu":
         return "float16" if ckpt == "float32" else ckpt
     if cpu_bf16 is None:
-        cpu_bf16 = cpu_has_native_bf16()
+        cpu_bf16 = cpu_bf16_is_fast()
     return "bfloat16" if cpu_bf16 else "float32"

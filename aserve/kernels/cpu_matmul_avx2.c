@@ -35,7 +35,7 @@ static inline void store_vectors(void *y, int64_t at, const __m256 *acc, int64_t
  * 32-bit lane, so the even k is the lane shifted left by 16 and the odd k the lane's top half. */
 static inline __attribute__((always_inline)) void vnni_block_avx2(const float *xf, int64_t K, const bf16 *wp,
                                                                   const int64_t MB, const int64_t NV,
-                                                                  __m256 acc[6][8]) {
+                                                                  __m256 acc[4][8]) {
     const int64_t pairs = K / 2, group_stride = pairs * 32;
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t i = 0; i < MB; i++)
@@ -55,7 +55,7 @@ static inline __attribute__((always_inline)) void vnni_block_avx2(const float *x
 }
 
 #define AVX2_ROW_VECTORS 8 /* a one-row chunk: 4 groups of 16 columns */
-#define AVX2_BLOCK_ROWS 6  /* a batch's register block: 6 rows x 2 vectors (one group), 12 accumulators */
+#define AVX2_BLOCK_ROWS 4  /* a batch's register block: 4 rows x 2 vectors (one group of 16 columns) */
 
 int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
                          int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
@@ -72,11 +72,13 @@ int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
             for (int64_t m0 = 0; m0 < M; m0 += AVX2_BLOCK_ROWS) {
                 const int64_t mb = (M - m0) < AVX2_BLOCK_ROWS ? (M - m0) : AVX2_BLOCK_ROWS;
                 const float *xb = xf + m0 * K;
-                __m256 acc[6][8];
+                __m256 acc[4][8];
                 if (M == 1 && ng == AVX2_ROW_VECTORS / 2) vnni_block_avx2(xb, K, wp, 1, AVX2_ROW_VECTORS, acc);
                 else if (M == 1) vnni_block_avx2(xb, K, wp, 1, 2 * ng, acc);
-                else if (mb == 6) vnni_block_avx2(xb, K, wp, 6, 2, acc);
-                else vnni_block_avx2(xb, K, wp, mb, 2, acc);
+                else if (mb == 4) vnni_block_avx2(xb, K, wp, 4, 2, acc); /* (M > 1: chunks of one group) */
+                else if (mb == 3) vnni_block_avx2(xb, K, wp, 3, 2, acc);
+                else if (mb == 2) vnni_block_avx2(xb, K, wp, 2, 2, acc);
+                else vnni_block_avx2(xb, K, wp, 1, 2, acc);
                 for (int64_t i = 0; i < mb; i++)
                     store_vectors(y, (m0 + i) * y_stride + g0 * 16, acc[i], 2 * ng, bias ? bias + g0 * 16 : NULL,
                                   y_f32);
