@@ -54,6 +54,25 @@ static inline __attribute__((always_inline)) void vnni_block_avx2(const float *x
     }
 }
 
+/* One row of xf against NV vectors of 8 columns: vnni_block_avx2's sums in its order (so a row's result does
+ * not depend on M), accumulated in a local array, which the compiler keeps in registers for the one-row
+ * case (the decode step's weight stream); for the batched blocks it schedules acc itself better. */
+static inline __attribute__((always_inline)) void vnni_row_avx2(const float *xf, int64_t K, const bf16 *wp,
+                                                                const int64_t NV, __m256 acc[4][8]) {
+    const int64_t pairs = K / 2, group_stride = pairs * 32;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 sum[8];
+    for (int64_t v = 0; v < NV; v++) sum[v] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; kp++)
+        for (int64_t v = 0; v < NV; v++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(wp + (v / 2) * group_stride + kp * 32 + (v % 2) * 16));
+            sum[v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w, high)), _mm256_broadcast_ss(xf + 2 * kp + 1),
+                                     _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+                                                     _mm256_broadcast_ss(xf + 2 * kp), sum[v]));
+        }
+    for (int64_t v = 0; v < NV; v++) acc[0][v] = sum[v];
+}
+
 #define AVX2_ROW_VECTORS 8 /* a one-row chunk: 4 groups of 16 columns */
 #define AVX2_BLOCK_ROWS 4  /* a batch's register block: 4 rows x 2 vectors (one group of 16 columns) */
 
@@ -73,8 +92,8 @@ int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
                 const int64_t mb = (M - m0) < AVX2_BLOCK_ROWS ? (M - m0) : AVX2_BLOCK_ROWS;
                 const float *xb = xf + m0 * K;
                 __m256 acc[4][8];
-                if (M == 1 && ng == AVX2_ROW_VECTORS / 2) vnni_block_avx2(xb, K, wp, 1, AVX2_ROW_VECTORS, acc);
-                else if (M == 1) vnni_block_avx2(xb, K, wp, 1, 2 * ng, acc);
+                if (M == 1 && ng == AVX2_ROW_VECTORS / 2) vnni_row_avx2(xb, K, wp, AVX2_ROW_VECTORS, acc);
+                else if (M == 1) vnni_row_avx2(xb, K, wp, 2 * ng, acc);
                 else if (mb == 4) vnni_block_avx2(xb, K, wp, 4, 2, acc); /* (M > 1: chunks of one group) */
                 else if (mb == 3) vnni_block_avx2(xb, K, wp, 3, 2, acc);
                 else if (mb == 2) vnni_block_avx2(xb, K, wp, 2, 2, acc);

@@ -12,7 +12,7 @@ within bf16 rounding. The layers remain the reference and the fallback.
 
 Qualifies: the decoder forms `cpu_decode_layers.py` describes (Llama, Mistral, Qwen2, Qwen3, Phi-3,
 Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 2 and 3; GPT-2; OPT, pre- and post-LN) with every projection on a C
-kernel (`linear_vnni` bf16 on AVX512-BF16, the unpacked bf16 kernel, `linear_int4`: GGUF Q4, GPTQ / AWQ
+kernel (`linear_vnni` bf16 on AVX512-BF16 or AVX2 + FMA, the unpacked bf16 kernel, `linear_int4`: GGUF Q4, GPTQ / AWQ
 without act-order), a bf16 KV cache with unit scales, one rank.
 """
 

@@ -1,10 +1,12 @@
-"""bf16 Linear layers on CPU through aserve's C kernels (`aserve/kernels/cpu_ops.c`), used where the CPU
-has native bf16 dot products (AVX512-BF16; elsewhere oneDNN's packed form stays, `cpu_packed.py`).
+"""bf16 Linear layers on CPU through aserve's C kernels (`aserve/kernels/cpu_ops.c`), used where they have
+packed products (`CpuKernels.packed_matmuls`: AVX512-BF16 dot products, or fp32 FMAs on AVX2 + FMA,
+`cpu_matmul_avx2.c`); elsewhere oneDNN's packed form stays where oneDNN has bf16 (`cpu_packed.py`).
 
 After loading, the weight is re-laid out in pairs along K (`CpuKernels.pack_vnni`, `[N/16, K/2, 16, 2]`;
 the Hugging Face copy is dropped) and every batch multiplies in `linear_vnni`: register blocks of 6 rows
 x 64 columns fed by one broadcast pair of x per dot product, so the weight streams once per step at
-decode sizes and prefill runs as fast as oneDNN. Measured on 2 vCPUs with AVX512-BF16 (all Linear
+decode sizes and prefill runs as fast as oneDNN (on AVX2, 4 rows x 16 columns per register block;
+torch's bf16 `F.linear` there is emulated, slower). Measured on 2 vCPUs with AVX512-BF16 (all Linear
 weights of SmolLM2-135M, 30 layers, one call each, a busy host): 10.3 ms at 1 row vs 14.6 ms for
 oneDNN's pre-packed weights; 27.5 vs 32.1 ms at 16 rows; 88.9 vs 96.9 ms at 64; even at 256 (356 vs
 352 ms). A weight whose shape does not pack (N not a multiple of 16, K odd) keeps the Hugging Face

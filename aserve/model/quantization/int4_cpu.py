@@ -1,5 +1,5 @@
 """Group-wise 4-bit weights on CPU: aserve's C kernel (`cpu_ops.linear_int4`) for bf16 activations where
-it is built (AVX512-BF16, groups of 32, fp16-exact scales), else torch's `_weight_int4pack_mm_for_cpu`,
+it is built (AVX512-BF16 or AVX2 + FMA, groups of a multiple of 32, fp16-exact scales), else torch's `_weight_int4pack_mm_for_cpu`,
 and the packing each needs.
 
 The kernel's weight form, per output row `n` and group `g` of `group_size` input columns:
@@ -86,7 +86,7 @@ def _c_kernels(dtype: torch.dtype, group_size: int) -> CpuKernels | None:
 def pack_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               dtype: torch.dtype, group_size: int = GROUP_SIZE, exact: bool = True) -> None:
     """Register the kernel's operands on `layer`. With bf16 activations where aserve's C kernel applies
-    (`cpu_ops.linear_int4`: groups of 32, AVX512-BF16): `int4_c_codes`, `int4_c_scale`, `int4_c_offset`
+    (`cpu_ops.linear_int4`: groups of a multiple of 32, AVX512-BF16 or AVX2): `int4_c_codes`, `int4_c_scale`, `int4_c_offset`
     (its packed form; it computes `sum(q x)` per group exactly and scales in fp32, so only x is rounded,
     and it is 2x faster than torch's kernel at one row; `exact`: only when every scale and offset is
     exact in fp16, else they are rounded to fp16). Otherwise torch's: `int4_weight` (packed uint8)
