@@ -17,7 +17,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     override = os.environ.get("ASERVE_CPU_BF16")
     if override is not None:
         return override.lower() in ("1", "true", "yes")
-    return bool(_cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_bf16_is_fast(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -29,10 +29,10 @@ def cpu_bf16_is_fast(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return cpu_has_native_bf16(cpuinfo)
     kernels_off = os.environ.get("ASERVE_CPU_KERNELS") == "0" or os.environ.get("ASERVE_FORCE_NATIVE_OPS") == "1"
     compiler = shutil.which(os.environ.get("CC") or "cc") is not None
-    return not kernels_off and compiler and {"avx2", "fma", "f16c"} <= _cpu_flags(cpuinfo)
+    return not kernels_off and compiler and {"avx2", "fma", "f16c"} <= cpu_flags(cpuinfo)
 
 
-def _cpu_flags(cpuinfo: str) -> set[str]:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
     """The first `flags` line of `cpuinfo` as a set (empty when unreadable: non-Linux hosts)."""
     try:
         with open(cpuinfo) as f:

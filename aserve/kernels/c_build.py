@@ -21,7 +21,7 @@ logger = logging.getLogger("aserve.kernels.cpu_ops")
 DISABLE_ENV = "ASERVE_CPU_KERNELS"  # "0": never build or use the C kernels
 FORCE_NATIVE_ENV = "ASERVE_FORCE_NATIVE_OPS"  # "1": every op in its pure-torch form (model/layers/custom_op.py)
 CACHE_ENV = "ASERVE_CACHE_DIR"
-FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")  # no FP traps: lets selects vectorize
 
 
 def kernels_disabled() -> bool:

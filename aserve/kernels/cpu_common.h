@@ -45,10 +45,9 @@ static inline float bf16_to_f32(bf16 h) {
 static inline bf16 f32_to_bf16(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+    const uint32_t u = v.u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded); /* NaN stays a quiet NaN */
 }
 
 /* y[at + c] = v[c] (+ bias[c]) for c < n, as fp32 when y_f32, else rounded to bf16. */
@@ -61,12 +60,13 @@ static inline void store_outputs(void *y, int64_t at, const float *v, const bf16
 }
 
 /* exp(x): Cody-Waite range reduction and a degree-6 polynomial, within ~2 ulp of expf for
- * x in [-87, 88] (0 below, inf above); plain arithmetic, so the loops that call it vectorize. */
+ * x in [-87, 88] (0 below, inf above); plain arithmetic and selects (no branches), so the loops that call
+ * it vectorize. */
 static inline float fast_exp(float x) {
-    if (x < -87.0f) return 0.0f;
-    if (x > 88.0f) return INFINITY;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
+    const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* round to nearest even (as nearbyintf, which does not vectorize): |x log2 e| < 2^22 here */
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = xc - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -77,7 +77,8 @@ static inline float fast_exp(float x) {
     p = p * r * r + r + 1.0f;
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
+    const float e = p * scale.f;
+    return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : e);
 }
 
 /* The cache slots of keys [c0, c0 + n) of a sequence whose blocks are `table` (no division per key). */

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu_ops, reference
+from tests.support.cpu_marches import skip_unless_this_cpu_runs
 
 BF16 = torch.bfloat16
 MARCHES = ["native"] + (["x86-64-v3", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else [])
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 
 @pytest.fixture(scope="module", params=MARCHES)
 def kernels(request) -> cpu_ops.CpuKernels:
+    skip_unless_this_cpu_runs(request.param)
     try:
         return cpu_ops.build(request.param)
     except (OSError, subprocess.CalledProcessError) as e:  # e.g. a compiler without that -march

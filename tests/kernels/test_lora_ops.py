@@ -15,6 +15,7 @@ import torch
 from aserve.kernels import cpu_ops, lora_cpu, lora_ops
 from aserve.kernels.lora_ops import lora_delta_cpu, ref_lora_expand, ref_lora_shrink
 from aserve.model.lora.mapping import build_lora_mapping
+from tests.support.cpu_marches import skip_unless_this_cpu_runs
 
 SLICES = (12, 6, 6)  # a q|k|v-like fused layer
 K, MAX_RANK, SLOTS = 20, 8, 3
@@ -158,6 +159,7 @@ C_MARCHES = ["native"] + (["x86-64-v4", "x86-64-v3", "x86-64-v2"] if platform.ma
 def lora_kernel(request) -> lora_cpu.LoRAKernel:
     if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler")
+    skip_unless_this_cpu_runs(request.param)
     try:
         return lora_cpu.build(request.param)
     except (OSError, subprocess.CalledProcessError) as e:  # e.g. a compiler without that -march
