@@ -29,6 +29,11 @@ def kernels_disabled() -> bool:
     return os.environ.get(DISABLE_ENV) == "0" or os.environ.get(FORCE_NATIVE_ENV) == "1"
 
 
+def c_compiler() -> str:
+    """The C compiler the kernels build with: `$CC`, else `cc`."""
+    return os.environ.get("CC") or "cc"
+
+
 def cpu_signature() -> str:
     """This CPU's model name and flags (part of the cache key)."""
     try:
@@ -44,7 +49,7 @@ def compile_library(name: str, sources: Sequence[Path], headers: Sequence[Path],
     """`sources` compiled (or reused from the cache) into one shared library for `-march=<march>` and
     loaded; `headers` only enter the cache key. Raises OSError (no compiler, cannot load) or
     CalledProcessError (the compiler failed)."""
-    compiler = os.environ.get("CC") or "cc"
+    compiler = c_compiler()
     if shutil.which(compiler) is None:
         raise OSError(f"no C compiler {compiler!r} on PATH")
     cache_dir = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "aserve") / "kernels"

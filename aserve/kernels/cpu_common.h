@@ -59,6 +59,21 @@ static inline void store_outputs(void *y, int64_t at, const float *v, const bf16
     }
 }
 
+/* Each row's sum of x over each group of gs columns, fp32 [M, K / gs] (malloc'd; NULL when it cannot be):
+ * the 4-bit products' offset term. */
+static inline float *row_group_sums(const bf16 *x, int64_t x_stride, int64_t M, int64_t K, int64_t gs) {
+    const int64_t groups = K / gs;
+    float *sums = malloc((size_t)(M * groups) * sizeof(float));
+    if (!sums) return NULL;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += bf16_to_f32(x[i * x_stride + k]);
+            sums[i * groups + g] = s;
+        }
+    return sums;
+}
+
 /* exp(x): Cody-Waite range reduction and a degree-6 polynomial, within ~2 ulp of expf for
  * x in [-87, 88] (0 below, inf above); plain arithmetic and selects (no branches), so the loops that call
  * it vectorize. */

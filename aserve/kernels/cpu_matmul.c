@@ -294,14 +294,8 @@ int64_t linear_int4_bf16(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
     if (gs < 32 || gs % 32 || K % gs) return -3;
 #if defined(__AVX512BF16__)
     const int64_t groups = K / gs, col_groups = N / 16;
-    float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
+    float *xsum = row_group_sums(x, x_stride, M, K, gs);
     if (!xsum) return -2;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += bf16_to_f32(x[i * x_stride + k]);
-            xsum[i * groups + g] = s;
-        }
     const int64_t step = M <= 2 ? 4 : 2; /* column groups per register block */
     shared_chunks work;
     shared_chunks_init(&work, col_groups, step);

@@ -1,7 +1,7 @@
 /* The packed matrix products (linear_vnni_bf16, linear_int4_bf16 in cpu_matmul.c) on CPUs with AVX2 and
  * FMA but no AVX512-BF16 (Zen 2 / Zen 3, Intel before Cooper Lake): the same packed layouts, each weight
- * widened to fp32 exactly (a bf16 is the top half of its fp32; a 4-bit code converts as an integer), x
- * converted to fp32 once per call, and fp32 FMAs. Every output column has one accumulation order whatever
+ * widened to fp32 exactly (a bf16 is the top half of its fp32; a 4-bit code becomes the bf16 of 128 + q),
+ * x converted to fp32 once per call, and fp32 FMAs. Every output column has one accumulation order whatever
  * the block (k in sequence; for 4-bit codes the low and the high nibbles of a step in two accumulators,
  * added per group), so a row's result is bitwise the same alone or in a batch. Built and loaded by
  * cpu_ops.py with the other kernels; these functions trust their input.
@@ -116,65 +116,59 @@ static inline void split_halves(const uint16_t *h16, __m256 *a, __m256 *b) { /* 
     *b = _mm256_permute2f128_ps(lo, hi, 0x31);
 }
 
-/* Rows [0, MB) against NG groups of 16 columns of pack_int4 codes from qp, group by group of k:
- * total[i][2 j + h] = sum over groups of d * (sum of (128 + q) x) + (m - 128 d) * (sum of x), vector h of
- * column group j in split_halves' order. A step's 32 code bytes (16 columns x 2, see int4_codes_to_bf16)
- * split into low and high nibbles, and each byte interleaved with 0x43 becomes the bf16 of 128 + q: dot-product
- * pairs (k, k + 1) per 32-bit lane, widened as in vnni_block_avx2. */
-static inline __attribute__((always_inline)) void int4_block_avx2(
-    const float *xf, int64_t K, const float *xsum, int64_t groups, const uint8_t *qp, const uint16_t *dp,
-    const uint16_t *mp, int64_t gs, const int64_t MB, const int64_t NG, __m256 total[2][4]) {
-    const int64_t q_stride = K * 8, s_stride = groups * 16, g_steps = gs / 4;
+/* Rows [0, MB) against one group of 16 columns of pack_int4 codes from qp, group by group of k:
+ * total[i][h] = sum over groups of d * (sum of (128 + q) x) + (m - 128 d) * (sum of x), columns 8 h .. 8 h + 7.
+ * A step's 32 code bytes (16 columns x 2, see int4_codes_to_bf16) split into low and high nibbles, and each
+ * byte interleaved with 0x43 becomes the bf16 of 128 + q: dot-product pairs (k, k + 1) per 32-bit lane,
+ * widened as in vnni_block_avx2, for the columns in split_halves' order (put back at the end). One group a
+ * block: more spill registers. */
+static inline __attribute__((always_inline)) void int4_block_avx2(const float *xf, int64_t K, const float *xsum,
+                                                                  int64_t groups, const uint8_t *qp,
+                                                                  const uint16_t *dp, const uint16_t *mp, int64_t gs,
+                                                                  const int64_t MB, __m256 total[2][2]) {
+    const int64_t g_steps = gs / 4;
     const __m256i low4 = _mm256_set1_epi8(0x0F), exponent = _mm256_set1_epi8(0x43);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int64_t i = 0; i < MB; i++)
-        for (int64_t v = 0; v < 2 * NG; v++) total[i][v] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < MB; i++) total[i][0] = total[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256 lo[2][4], hi[2][4]; /* k = 4t, 4t + 1 | 4t + 2, 4t + 3 */
+        __m256 lo[2][2], hi[2][2]; /* k = 4t, 4t + 1 | 4t + 2, 4t + 3 */
         for (int64_t i = 0; i < MB; i++)
-            for (int64_t v = 0; v < 2 * NG; v++) lo[i][v] = hi[i][v] = _mm256_setzero_ps();
+            for (int64_t h = 0; h < 2; h++) lo[i][h] = hi[i][h] = _mm256_setzero_ps();
         for (int64_t t = g * g_steps; t < (g + 1) * g_steps; t++) {
-            for (int64_t j = 0; j < NG; j++) {
-                const __m256i r = _mm256_loadu_si256((const __m256i *)(qp + j * q_stride + t * 32));
-                const __m256i nib_lo = _mm256_and_si256(r, low4);
-                const __m256i nib_hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
-                const __m256i pairs[4] = {_mm256_unpacklo_epi8(nib_lo, exponent), _mm256_unpackhi_epi8(nib_lo, exponent),
-                                          _mm256_unpacklo_epi8(nib_hi, exponent), _mm256_unpackhi_epi8(nib_hi, exponent)};
-                for (int64_t p = 0; p < 4; p++) { /* p / 2: low or high nibbles; p % 2: which half of the columns */
-                    const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs[p], 16));
-                    const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs[p], high));
-                    const int64_t v = 2 * j + p % 2;
-                    for (int64_t i = 0; i < MB; i++) {
-                        const float *xr = xf + i * K + 4 * t + 2 * (p / 2);
-                        const __m256 sum = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xr + 1),
-                                                           _mm256_fmadd_ps(even, _mm256_broadcast_ss(xr),
-                                                                           p < 2 ? lo[i][v] : hi[i][v]));
-                        if (p < 2) lo[i][v] = sum;
-                        else hi[i][v] = sum;
-                    }
+            const __m256i r = _mm256_loadu_si256((const __m256i *)(qp + t * 32));
+            const __m256i nib_lo = _mm256_and_si256(r, low4);
+            const __m256i nib_hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
+            const __m256i pairs[4] = {_mm256_unpacklo_epi8(nib_lo, exponent), _mm256_unpackhi_epi8(nib_lo, exponent),
+                                      _mm256_unpacklo_epi8(nib_hi, exponent), _mm256_unpackhi_epi8(nib_hi, exponent)};
+            for (int64_t p = 0; p < 4; p++) { /* p / 2: low or high nibbles; p % 2 = h: which half of the columns */
+                const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs[p], 16));
+                const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs[p], high));
+                const int64_t h = p % 2;
+                for (int64_t i = 0; i < MB; i++) {
+                    const float *xr = xf + i * K + 4 * t + 2 * (p / 2);
+                    const __m256 sum = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xr + 1),
+                                                       _mm256_fmadd_ps(even, _mm256_broadcast_ss(xr),
+                                                                       p < 2 ? lo[i][h] : hi[i][h]));
+                    if (p < 2) lo[i][h] = sum;
+                    else hi[i][h] = sum;
                 }
             }
         }
-        for (int64_t j = 0; j < NG; j++) {
-            __m256 d[2], m[2];
-            split_halves(dp + j * s_stride + g * 16, &d[0], &d[1]);
-            split_halves(mp + j * s_stride + g * 16, &m[0], &m[1]);
-            for (int64_t h = 0; h < 2; h++) {
-                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), d[h], m[h]); /* codes entered as 128 + q */
-                for (int64_t i = 0; i < MB; i++)
-                    total[i][2 * j + h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[i * groups + g]),
-                                                          _mm256_fmadd_ps(d[h], _mm256_add_ps(lo[i][2 * j + h],
-                                                                                              hi[i][2 * j + h]),
-                                                                          total[i][2 * j + h]));
-            }
+        __m256 d[2], m[2];
+        split_halves(dp + g * 16, &d[0], &d[1]);
+        split_halves(mp + g * 16, &m[0], &m[1]);
+        for (int64_t h = 0; h < 2; h++) {
+            const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), d[h], m[h]); /* codes entered as 128 + q */
+            for (int64_t i = 0; i < MB; i++)
+                total[i][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[i * groups + g]),
+                                              _mm256_fmadd_ps(d[h], _mm256_add_ps(lo[i][h], hi[i][h]), total[i][h]));
         }
     }
-    for (int64_t i = 0; i < MB; i++) /* back to column order */
-        for (int64_t j = 0; j < NG; j++) {
-            const __m256 a = total[i][2 * j], b = total[i][2 * j + 1];
-            total[i][2 * j] = _mm256_permute2f128_ps(a, b, 0x20);
-            total[i][2 * j + 1] = _mm256_permute2f128_ps(a, b, 0x31);
-        }
+    for (int64_t i = 0; i < MB; i++) { /* back to column order */
+        const __m256 a = total[i][0], b = total[i][1];
+        total[i][0] = _mm256_permute2f128_ps(a, b, 0x20);
+        total[i][1] = _mm256_permute2f128_ps(a, b, 0x31);
+    }
 }
 
 int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
@@ -182,35 +176,28 @@ int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
                          int64_t K, int64_t y_f32, int64_t gs) {
     const int64_t groups = K / gs, col_groups = N / 16;
     float *xf = rows_to_f32(x, x_stride, M, K);
-    float *xsum = malloc((size_t)(M * groups) * sizeof(float)); /* sum of each row's x over each group */
+    float *xsum = row_group_sums(x, x_stride, M, K, gs);
     if (!xf || !xsum) {
         free(xf);
         free(xsum);
         return -2;
     }
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += xf[i * K + k];
-            xsum[i * groups + g] = s;
-        }
     shared_chunks work;
-    shared_chunks_init(&work, col_groups, 1); /* chunks of one group of 16 columns (more in one row spill registers) */
+    shared_chunks_init(&work, col_groups, 1); /* chunks of one group of 16 columns */
 #pragma omp parallel if (N * K > 65536)
     {
-        int64_t cursor = 0, c0, ng; /* ng: 1 */
+        int64_t cursor = 0, c0, ng;
         while (shared_chunks_next(&work, &cursor, &c0, &ng)) {
             const uint8_t *qp = q_packed + c0 * K * 8;
             const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
             for (int64_t m0 = 0; m0 < M; m0 += 2) {
                 const int64_t mb = (M - m0) < 2 ? (M - m0) : 2;
                 const float *xb = xf + m0 * K, *xs = xsum + m0 * groups;
-                __m256 total[2][4];
-                if (mb == 2) int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 2, 1, total);
-                else int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 1, 1, total);
+                __m256 total[2][2];
+                if (mb == 2) int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 2, total);
+                else int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 1, total);
                 for (int64_t i = 0; i < mb; i++)
-                    store_vectors(y, (m0 + i) * y_stride + c0 * 16, total[i], 2 * ng, bias ? bias + c0 * 16 : NULL,
-                                  y_f32);
+                    store_vectors(y, (m0 + i) * y_stride + c0 * 16, total[i], 2, bias ? bias + c0 * 16 : NULL, y_f32);
             }
         }
     }
