@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 
-from aserve.kernels.c_build import c_compiler, kernels_disabled
-
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16).
@@ -29,8 +27,10 @@ def cpu_bf16_is_fast(cpuinfo: str = "/proc/cpuinfo") -> bool:
     weights in fp32 FMAs (aserve/kernels/cpu_matmul_avx2.c) and stream half the bytes of float32 ones."""
     if os.environ.get("ASERVE_CPU_BF16") is not None or cpu_has_native_bf16(cpuinfo):
         return cpu_has_native_bf16(cpuinfo)
-    compiler = shutil.which(c_compiler()) is not None
-    return not kernels_disabled() and compiler and {"avx2", "fma", "f16c"} <= cpu_flags(cpuinfo)
+    # the switches and compiler aserve/kernels/c_build.py reads (config stays free of the kernels package)
+    kernels_off = os.environ.get("ASERVE_CPU_KERNELS") == "0" or os.environ.get("ASERVE_FORCE_NATIVE_OPS") == "1"
+    compiler = shutil.which(os.environ.get("CC") or "cc") is not None
+    return not kernels_off and compiler and {"avx2", "fma", "f16c"} <= cpu_flags(cpuinfo)
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
