@@ -42,15 +42,21 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Arguments that change from step to step (block-table width, slices at any row) are not specialized
+# on (value or 16-byte alignment): one compiled form serves every step; a form compiled mid-serving
+# stalls every request in flight.
+@triton.jit(
+    do_not_specialize=["window", "stride_bt", "num_splits"],
+    do_not_specialize_on_alignment=["window", "stride_bt", "num_splits", "block_tables_ptr", "seq_lens_ptr"],
+)
 def _paged_decode_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
     v_cache_ptr,
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B, H, D] or, when WRITE_PARTIAL, [B, H, NUM_SPLITS, D] fp32
-    lse_ptr,  # [B, H, NUM_SPLITS] fp32 (log2 domain); unused unless WRITE_PARTIAL
+    out_ptr,  # [B, H, D] or, when WRITE_PARTIAL, [B, H, num_splits, D] fp32
+    lse_ptr,  # [B, H, num_splits] fp32 (log2 domain); unused unless WRITE_PARTIAL
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,
     window,  # 0: no sliding window
@@ -67,7 +73,7 @@ def _paged_decode_kernel(
     stride_ob,
     stride_oh,
     stride_os,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -89,7 +95,7 @@ def _paged_decode_kernel(
         # The query sits at seq_len - 1 and sees keys in (seq_len - 1 - window, seq_len - 1].
         lo = tl.maximum(seq_len - window, 0)
     num_tiles = (seq_len - lo + TILE_N - 1) // TILE_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     start = lo + split * tiles_per_split * TILE_N
     end = tl.minimum(start + tiles_per_split * TILE_N, seq_len)
 
@@ -158,21 +164,21 @@ def _paged_decode_kernel(
         tl.store(out_ptr + out_offsets, out, mask=out_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(denom), float("-inf"))
         tl.store(
-            lse_ptr + (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split, lse, mask=row_mask
+            lse_ptr + (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split, lse, mask=row_mask
         )
     else:
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["num_splits"])
 def _reduce_splits_kernel(
-    partial_ptr,  # [B, H, NUM_SPLITS, D] fp32, each split normalized on its own
-    lse_ptr,  # [B, H, NUM_SPLITS] fp32, log2 domain; -inf for empty splits
+    partial_ptr,  # [B, H, num_splits, D] fp32, each split normalized on its own
+    lse_ptr,  # [B, H, num_splits] fp32, log2 domain; -inf for empty splits
     out_ptr,  # [B, H, D]
     stride_ob,
     stride_oh,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -181,17 +187,17 @@ def _reduce_splits_kernel(
     head = tl.program_id(1)
     row = seq * num_heads + head
     splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
 
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
     m = tl.reduce(lse, 0, MAX_COMBINE)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weights = tl.exp2(lse - m_safe)  # 0 for empty splits
     total = tl.reduce(weights, 0, SUM_COMBINE)
     parts = tl.load(
-        partial_ptr + (row * NUM_SPLITS + splits[:, None]) * HEAD_DIM + dims[None, :],
+        partial_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
@@ -293,7 +299,7 @@ def paged_decode_attention(
         "stride_vt": v_cache.stride(1),
         "stride_vh": v_cache.stride(2),
         "stride_bt": block_tables.stride(0),
-        "NUM_SPLITS": num_splits,
+        "num_splits": num_splits,
         "GROUP": group,
         "GROUP_PAD": max(16, next_power_of_2(group)),
         "HEAD_DIM": head_dim,
@@ -322,7 +328,7 @@ def paged_decode_attention(
     )  # fmt: skip
     launchable(_reduce_splits_kernel, device)[(batch, num_heads)](
         partial, lse, out, out.stride(0), out.stride(1), num_heads,
-        NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
+        num_splits, SPLITS_PAD=max(MAX_SPLITS, next_power_of_2(num_splits)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
     )  # fmt: skip
     return out

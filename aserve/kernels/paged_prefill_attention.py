@@ -35,7 +35,13 @@ from .triton_utils import (
 )
 
 
-@triton.jit
+# Arguments that change from step to step (block-table width, slices at any row) are not specialized
+# on (value or 16-byte alignment): one compiled form serves every step; a form compiled mid-serving
+# stalls every request in flight.
+@triton.jit(
+    do_not_specialize=["window", "stride_bt"],
+    do_not_specialize_on_alignment=["window", "stride_bt", "block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"],
+)
 def _paged_prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D]
@@ -231,8 +237,7 @@ def paged_prefill_attention(
         return out
 
     head_dim_pad = next_power_of_2(head_dim)
-    block_m = 64 if head_dim_pad <= 128 else 32
-    block_m = min(block_m, max(16, next_power_of_2(max_query_len)))
+    block_m = 64 if head_dim_pad <= 128 else 32  # not by query length: one compiled form per model
     tile_n = 32 if head_dim_pad <= 128 else 16
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, cdiv(max_query_len, block_m), num_seqs)

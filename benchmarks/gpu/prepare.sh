@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 exclude="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$exclude")"; touch "$exclude"
 for d in /.whl/ /.gpu/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
 mkdir -p .whl .gpu/tokenizer
-WHEELS=(msgspec starlette hypercorn h2 hpack hyperframe priority wsproto xgrammar gguf llguidance
+WHEELS=(py-spy msgspec starlette hypercorn h2 hpack hyperframe priority wsproto xgrammar gguf llguidance
         openai httpx2 httpcore2 truststore jiter distro pydantic pydantic-core annotated-types typing-inspection sniffio jsonschema
         jsonschema-specifications referencing rpds-py)
 PLATFORMS=()

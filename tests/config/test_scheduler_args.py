@@ -29,3 +29,19 @@ def test_multi_step_flags_parse_and_resolve(tiny_llama):
 def test_bad_scheduler_arguments_are_refused_by_name(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         EngineArgs(**kwargs).validate()
+
+
+@pytest.mark.parametrize("device, backend, want", [
+    ("cpu", "uni", False),  # the runner thread would compete with the scheduler for the cores
+    ("cpu", "mp", True),
+    ("cuda", "uni", True),  # the runner thread waits on the GPU with the GIL released
+    ("cuda", "mp", True),
+])
+def test_async_scheduling_default_by_device_and_executor(tiny_llama, device, backend, want):
+    config = EngineArgs(model=tiny_llama, device=device, distributed_executor_backend=backend).create_config(
+        model_path=tiny_llama, cuda_available=device == "cuda")
+    assert config.scheduler.async_scheduling is want
+    assert config.scheduler.max_steps_in_flight == (2 if want else 1)
+    off = EngineArgs(model=tiny_llama, device=device, distributed_executor_backend=backend,
+                     async_scheduling=False).create_config(model_path=tiny_llama, cuda_available=device == "cuda")
+    assert off.scheduler.async_scheduling is False

@@ -10,8 +10,9 @@ keeps its CPU form unchanged. Checked on CPU tensors (the Triton kernel under th
       the dequantized weight in the model dtype (`F.linear`, logged once).
   W8A8 int8 (`w8a8.py`): activations quantized per row as on CPU (`quantize_rows`), the integer product in
       `torch._int_mm` (cuBLASLt int8 x int8 -> int32) on the weight transposed once to a contiguous
-      `[K, N]`; it needs more than 16 rows (fewer are padded with zero rows to 17) and K, N multiples of 8;
-      other shapes compute the integer product as an fp32 matmul of the codes (exact while |sums| < 2**24).
+      `[K, N]`; it needs K, N multiples of 8 and more than 16 rows (rows are padded with zeros to a multiple
+      of 32: cuBLASLt refused 248 rows on an H200); other shapes, or a shape cuBLASLt refuses at run time
+      (logged once), compute the integer product as an fp32 matmul of the codes (exact while |sums| < 2**24).
   FP8 (`fp8.py`, checkpoints and online): where the GPU's compute capability is >= 8.9 (read at load),
       with per-tensor / per-channel weight scales and K, N multiples of 16, activations are quantized to
       float8_e4m3fn per token (`amax / 448`) and multiplied in `torch._scaled_mm` (unit scales, fp32
@@ -38,8 +39,10 @@ _logged: set[str] = set()
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: fp8 tensor cores
-INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA: more than 16 rows
-INT_MM_MULTIPLE = 8  # ... and K, N multiples of 8
+INT_MM_MULTIPLE = 8  # torch._int_mm on CUDA: K, N multiples of 8 ...
+# ... and more than 16 rows; cuBLASLt (CUDA 13, H200) also refused 248 rows (CUBLAS_STATUS_NOT_SUPPORTED),
+# so rows are padded with zeros to a multiple of 32
+INT_MM_ROW_MULTIPLE = 32
 SCALED_MM_MULTIPLE = 16  # torch._scaled_mm: K, N multiples of 16
 
 
@@ -107,11 +110,18 @@ def w8a8_linear_cuda(x: torch.Tensor, q_kn: torch.Tensor, w_scale: torch.Tensor,
     k, n = q_kn.shape
     xq, a = quantize_rows(x.reshape(-1, k), input_scale)
     m = xq.shape[0]
+    acc = None
     if int_mm_fits(n, k):
-        if m < INT_MM_MIN_ROWS:
-            xq = torch.cat([xq, xq.new_zeros(INT_MM_MIN_ROWS - m, k)])
-        acc = torch._int_mm(xq, q_kn)[:m].float()
-    else:
+        padded = -(-m // INT_MM_ROW_MULTIPLE) * INT_MM_ROW_MULTIPLE
+        if padded != m:
+            xq = torch.cat([xq, xq.new_zeros(padded - m, k)])
+        try:
+            acc = torch._int_mm(xq, q_kn)[:m].float()
+        except RuntimeError as exc:  # a cuBLASLt build that refuses this shape: same result, slower
+            _log_once(f"int_mm:{padded}x{k}x{n}", "w8a8: torch._int_mm refused [%d, %d] x [%d, %d] (%s); "
+                      "computing that product as an fp32 matmul of the codes", padded, k, k, n, exc)
+            xq = xq[:m]
+    if acc is None:
         acc = xq.float() @ q_kn.float()
     y = acc.mul_(a).mul_(w_scale)
     if bias is not None:

@@ -127,7 +127,28 @@ def test_w8a8_cuda_form_is_the_reference(cuda_forms, int_mm_calls, n, k, fits, s
         x = torch.randn(rows, k, generator=gen)
         want = w8a8_reference(x, q, layer.w8a8_scale, getattr(layer, "w8a8_input_scale", None), layer.bias)
         torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-    assert int_mm_calls == ([(17, n), (17, n), (17, n), (40, n)] if fits else [])
+    assert int_mm_calls == ([(32, n), (32, n), (32, n), (64, n)] if fits else [])  # rows padded to 32s
+
+
+def test_w8a8_cuda_form_falls_back_where_cublas_refuses_the_shape(cuda_forms, monkeypatch, caplog):
+    # cuBLASLt on an H200 refused a 248-row int8 product (CUBLAS_STATUS_NOT_SUPPORTED): same result, logged
+    gen = torch.Generator().manual_seed(7)
+    layer = Linear(64, 32, bias=False)
+    layer.set_quant_method(W8A8Int8Method(False))
+    q = torch.randint(-128, 128, (32, 64), generator=gen).to(torch.int8)
+    layer.w8a8_weight.data.copy_(q)
+    layer.w8a8_scale.data.copy_(torch.rand(32, generator=gen) * 0.01 + 0.001)
+    layer.process_weights_after_loading()
+
+    def refuses(a, b):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+
+    monkeypatch.setattr(torch, "_int_mm", refuses)
+    x = torch.randn(5, 64, generator=gen)
+    with caplog.at_level("INFO", logger="aserve.model.quantization.cuda_linear"):
+        got = layer(x)
+    torch.testing.assert_close(got, w8a8_reference(x, q, layer.w8a8_scale, None, None), atol=1e-5, rtol=1e-5)
+    assert "torch._int_mm refused" in caplog.text
 
 
 # ---- FP8: torch._scaled_mm with per-token fp8 activations --------------------------------------------------
