@@ -181,10 +181,10 @@ def resolve_config(args: EngineArgs, model_path: str | None, tokenizer_path: str
     )
     speculative = resolve_speculative_config(args, arch, model_impl=model_impl, is_pooling=pooling is not None,
                                              max_model_len=max_model_len, draft_model_path=draft_model_path)
-    # Default on where the step runs beside the scheduler: a worker process, or the offline engine's runner
-    # thread on CUDA (the thread waits on the GPU with the GIL released; on CPU it computes and would compete).
+    # Default on where the step runs in another process. Not with uni: its runner thread shares the GIL with
+    # the scheduler (on an H200 the offline 1B run measured 12.7k output tok/s with it, 14.8k without).
     async_scheduling = args.async_scheduling if args.async_scheduling is not None else (
-        (backend in ("mp", "ray") or device == "cuda") and speculative is None and args.num_scheduler_steps == 1
+        backend in ("mp", "ray") and speculative is None and args.num_scheduler_steps == 1
         and args.pipeline_parallel_size == 1)
     compilation = resolve_compilation(args.compilation_config, args.enforce_eager, device, args.max_num_seqs)
     if model_impl == "transformers":

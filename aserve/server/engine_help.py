@@ -144,9 +144,8 @@ ENGINE_HELP = {
 # The default shown when the field's own default (often None) is resolved later (aserve/config/resolve.py).
 ENGINE_DEFAULTS = {
     "disable_async_output_proc": "on CPU, off elsewhere",
-    "async_scheduling": "on with a worker process (the server's mp executor, ray), and with uni on CUDA, unless "
-                        "speculative decoding, multi-step decode or pipeline parallelism is asked for; off with uni "
-                        "on CPU",
+    "async_scheduling": "on with a worker process (the server's mp executor, ray) unless speculative decoding, "
+                        "multi-step decode or pipeline parallelism is asked for; off with uni",
     "model": f"'', the bundled {BUNDLED_MODEL_NAME}",
     "tokenizer": "the --model",
     "max_model_len": "from the model's config.json",

@@ -14,6 +14,7 @@
 #   gpu_marked the first part of gpu_tests alone (the `gpu`-marked tests that share the card)
 #   suite      the whole test suite on CUDA (tests needing the bundled model skip: it is not carried)
 #   offline    1B offline throughput, 128 prompts x 512 in / 256 out (`aserve bench throughput`)
+#   offline_backends  the same offline run with --distributed-executor-backend uni, then mp
 #   serve      8B server (dummy weights): time to ready, c=1 ITL (16 prompts), c=128 (300 in / 256 out)
 #   kernels    benchmarks/kernels.py (decode and prefill attention vs SDPA, every shape)
 #   profile    the offline and serve stages' workloads under py-spy (carry its wheel in .whl: prepare.sh
@@ -48,7 +49,8 @@ print(f'device copy: {2 * x.numel() * 4 / (ms * 1e-3) / 1e12:.2f} TB/s (read + w
 pack_logs() { tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2> /dev/null; }
 
 stage_gpu_marked() {
-  timeout 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 120 -rfE -m "gpu and not gpu_alone" tests \
+  # GPU_TESTS: the test paths to collect from (default: all of tests/)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -n 8 --timeout 120 -rfE -m "gpu and not gpu_alone" ${GPU_TESTS:-tests} \
     > "$LOGS/gpu_marked.log" 2>&1
   echo "- gpu-marked tests (exit $?): $(tail -1 "$LOGS/gpu_marked.log")" >> "$RESULTS"
 }
@@ -71,6 +73,15 @@ stage_offline() {
   timeout 150 "${spy[@]}" aserve bench throughput --model /tmp/models/1b --load-format dummy --dtype bfloat16 \
     --input-len 512 --output-len 256 --num-prompts 128 --output-json "$OUT/offline_1b.json" > "$LOGS/offline.log" 2>&1
   echo "- 1B offline (exit $?): $(grep -i 'throughput' "$LOGS/offline.log" | tail -2 | tr '\n' ' ')" >> "$RESULTS"
+}
+stage_offline_backends() {  # the 1B offline run with the runner in this process (uni) and in a worker process (mp)
+  local backend
+  for backend in uni mp; do
+    timeout 90 aserve bench throughput --model /tmp/models/1b --load-format dummy --dtype bfloat16 --input-len 512 \
+      --output-len 256 --num-prompts 128 --distributed-executor-backend $backend --output-json "$OUT/offline_$backend.json" \
+      > "$LOGS/offline_$backend.log" 2>&1
+    echo "- 1B offline, $backend executor (exit $?): $(grep -i 'throughput' "$LOGS/offline_$backend.log" | tail -1)" >> "$RESULTS"
+  done
 }
 stage_serve() {
   local start ready port=8011
@@ -112,8 +123,8 @@ stage_kernels() {
 
 for stage in "$@"; do
   case $stage in
-    gpu_tests|gpu_marked|suite|offline|serve|kernels|profile) s0=$SECONDS; "stage_$stage"; echo "  ($stage: $((SECONDS - s0)) s)" >> "$RESULTS"; pack_logs ;;
-    *) echo "unknown stage $stage (gpu_tests gpu_marked suite offline serve kernels profile)"; exit 2 ;;
+    gpu_tests|gpu_marked|suite|offline|offline_backends|serve|kernels|profile) s0=$SECONDS; "stage_$stage"; echo "  ($stage: $((SECONDS - s0)) s)" >> "$RESULTS"; pack_logs ;;
+    *) echo "unknown stage $stage (gpu_tests gpu_marked suite offline offline_backends serve kernels profile)"; exit 2 ;;
   esac
 done
 cat "$RESULTS"
