@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_matmul_avx2.c", "cpu_attention.c",
-                                            "cpu_prefill_attention.c", "cpu_decode_step.c", "cpu_decode_moe.c"))
+                                            "cpu_prefill_attention.c", "cpu_decode_step.c", "cpu_decode_moe.c",
+                                            "cpu_matmul_q8.c"))
 # (all include cpu_common.h)
 _HEADERS = (_HERE / "cpu_common.h", _HERE / "cpu_decode.h")
 
@@ -49,6 +50,7 @@ _SIGNATURES = {
     "linear_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I),
+    "linear_q8_f32": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
     "paged_prefill_attention_bf16": (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
 }
@@ -112,6 +114,10 @@ class CpuKernels:
         self._linear_vnni.restype = ctypes.c_int64
         self._linear_int4 = library.linear_int4_bf16
         self._linear_int4.restype = ctypes.c_int64
+        self._linear_q8 = library.linear_q8_f32
+        self._linear_q8.restype = ctypes.c_int64
+        library.linear_q8_available.restype = ctypes.c_int64
+        self.q8_products = bool(library.linear_q8_available())  # `linear_q8` (AVX2 integer products)
         self.decode_layers = library.decode_layers_bf16  # typed by its caller (aserve/runner/cpu_decode_step.py)
         self.decode_layers.restype = ctypes.c_int64
         library.has_native_bf16_dot.restype = ctypes.c_int64
@@ -267,6 +273,36 @@ class CpuKernels:
             raise RuntimeError({-1: "linear_int4: this build has no packed matrix products (AVX512-BF16 or AVX2)",
                                 -3: f"linear_int4: group size {gs} is not a multiple of 32 dividing K={k}"}
                                .get(status, "linear_int4: out of memory"))
+        return out
+
+    @staticmethod
+    def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`w[n, k] = codes[n, k] * scales[n, k // 32]` (int8 `[N, K]`, float `[N, K/32]`: GGUF's Q8_0) in the
+        form `linear_q8` takes: codes `[N/32, K/2, 32, 2]` int8, scales `[N/32, K/32, 32]` fp32 (cpu_matmul_q8.c).
+        None unless N % 32 == 0 and K % 32 == 0."""
+        n, k = codes.shape
+        if n % 32 or k % 32 or scales.shape != (n, k // 32):
+            return None
+        # each half of 32 columns in the order the kernel's in-lane widening reads them back in column order
+        order = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+        halves = codes.to(torch.int8).reshape(n // 32, 2, 16, k // 2, 2)[:, :, order]
+        packed = halves.permute(0, 3, 1, 2, 4).reshape(n // 32, k // 2, 32, 2).contiguous()
+        return packed, scales.float().reshape(n // 32, 32, k // 32).permute(0, 2, 1).contiguous()
+
+    def linear_q8(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x `[M, K]` (bf16 or float32 rows, unit stride) times a `pack_q8` weight -> float32 `[M, N]`: x
+        rounded to int16 per group of 32 (finer than bf16), exact integer products per group, fp32 sums.
+        Needs `q8_products`."""
+        codes, scales = packed
+        rows, k = x.shape
+        n = codes.shape[0] * 32
+        if x.stride(1) != 1 or codes.shape[1] * 2 != k or x.dtype not in _ROW_DTYPES:
+            raise ValueError(f"linear_q8: x {tuple(x.shape)} {x.dtype} does not fit packed codes {tuple(codes.shape)}")
+        out = torch.empty((rows, n), dtype=torch.float32)
+        status = self._linear_q8(x.data_ptr(), x.stride(0), x.dtype == torch.float32, codes.data_ptr(),
+                                 scales.data_ptr(), out.data_ptr(), n, rows, n, k)
+        if status:
+            raise RuntimeError("linear_q8: this build has no AVX2" if status == -1 else "linear_q8: out of memory")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

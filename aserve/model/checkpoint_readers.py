@@ -51,6 +51,37 @@ def _gguf_weights(model: nn.Module, model_path: str) -> Iterator[tuple[str, torc
     return assign.gguf_weights(floats, gguf, native)
 
 
+def use_gguf_q8_head(model: nn.Module, model_path: str) -> bool:
+    """After loading with `--quantization gguf`, bf16 on CPU: the LM head multiplies by the file's own
+    Q8_0 codes (`LMHead.use_q8_weight`) when the file keeps its output projection so and they match
+    the loaded float head (checked on a slice of rows). Returns whether the head switched."""
+    from aserve.kernels import cpu_ops
+    from aserve.model_source import gguf_source_of
+
+    head, source = getattr(model, "lm_head", None), gguf_source_of(model_path)
+    if head is None or source is None or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
+        return False
+    kernels = cpu_ops.load()
+    components = GGUFLinearWeights(source).head_q8_components() if kernels is not None else None
+    if components is None:
+        return False
+    codes, scales = components
+    rows = slice(0, min(256, codes.shape[0]))
+    dequantized = (codes[rows].float().reshape(-1, scales.shape[1], 32) * scales[rows, :, None]).reshape(
+        codes[rows].shape)
+    if codes.shape != head.weight.shape or not torch.allclose(dequantized.bfloat16().float(),
+                                                               head.weight.data[rows].float(), rtol=0, atol=1e-6):
+        logger.warning("--quantization gguf: the file's Q8_0 output projection does not match the loaded LM head; "
+                       "the head stays bf16")
+        return False
+    if not head.use_q8_weight(kernels, codes, scales):
+        return False
+    logger.info("--quantization gguf: LM head from the file's Q8_0 codes (%.1f MB; bf16 would stream %.1f MB a "
+                "token), activations rounded to int16 per 32", codes.numel() * (1 + 4 / 32) / 1e6,
+                codes.numel() * 2 / 1e6)
+    return True
+
+
 def _checkpoint_tensor_names(model_path: str, load_format: str, what: str) -> list[str]:
     """The tensor names of a quantized checkpoint's safetensors files; ValueError (naming `what`) for others."""
     kind, files = weight_files(model_path, load_format)

@@ -131,6 +131,10 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
             model.load_weights(iterate_weights(config.model.model_path, load_format, skip=other_stages,
                                                ignore_patterns=config.load.ignore_patterns, num_threads=threads))
     assign.use_cpu_linear_forms(model)
+    if quantization == "gguf":
+        from aserve.model.checkpoint_readers import use_gguf_q8_head
+
+        use_gguf_q8_head(model, config.model.model_path)
     counts = assign.process_weights_after_loading(model)
     if quantization is not None or counts.keys() - {"unquantized"}:
         logger.info("Linear methods: %s; activations %s (CPU capability %s)",

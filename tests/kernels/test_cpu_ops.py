@@ -9,30 +9,23 @@ summation order and fused multiply-adds).
 
 from __future__ import annotations
 
-import platform
 import shutil
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu_ops, reference
-from tests.support.cpu_marches import skip_unless_this_cpu_runs
+from tests.support.cpu_marches import MARCHES, build_cpu_kernels
 
 BF16 = torch.bfloat16
-MARCHES = ["native"] + (["x86-64-v3", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else [])
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
 @pytest.fixture(scope="module", params=MARCHES)
 def kernels(request) -> cpu_ops.CpuKernels:
-    skip_unless_this_cpu_runs(request.param)
-    try:
-        return cpu_ops.build(request.param)
-    except (OSError, subprocess.CalledProcessError) as e:  # e.g. a compiler without that -march
-        pytest.skip(f"cannot build for {request.param}: {e}")
+    return build_cpu_kernels(request.param)
 
 
 def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -8,7 +8,8 @@
   prefill, then decode steps): over 12 prompts x 32 positions in CI (int8 is checked on tiny models in
   tests/model/quantization/ there) and issue 10's full 32 prompts x 64 positions with
   `ASERVE_FULL_PARITY=1` (how the README's numbers are measured). Floors: top-1 >= 99% for plain bf16
-  and GGUF, >= 97% for int4 / int8, mean KL <= 0.02 (README, *Quantized CPU paths*).
+  and GGUF, >= 97% for int4 / int8, mean KL <= 0.02 (README, *Quantized CPU paths*). GGUF's LM head
+  multiplies by the file's Q8_0 codes in bf16 (`linear_q8`), so its parity covers that head too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from aserve.config import EngineArgs
+from aserve.kernels import cpu_ops
 from aserve.model.attention.torch_backend import TorchAttentionBackend
 from aserve.model.loader import load_model
 from aserve.model.quantization.assign import linear_layers
@@ -96,6 +98,9 @@ def test_bf16_teacher_forced_parity(folder, prompts, forced, quantization, min_t
     model = _load(folder, "bfloat16", quantization)
     if quantization is not None:
         assert {layer.quant_method.name for _, layer in linear_layers(model)} == {quantization}
+    if quantization == "gguf":  # the LM head multiplies by the file's Q8_0 codes where the C kernel has them
+        kernels = cpu_ops.load()
+        assert (model.lm_head.q8_weight is not None) == (kernels is not None and kernels.q8_products)
     report = parity(_measured(ref_logits, prompts), _measured(all_position_logits(model, sequences), prompts), 0)
     print(f"--quantization {quantization}, bf16 activations vs fp32 dequantized: {report}")
     assert report.num_positions == len(QUESTIONS) * NUM_POSITIONS

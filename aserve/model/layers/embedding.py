@@ -85,6 +85,11 @@ class PositionEmbedding(VocabEmbedding):
         return F.embedding(positions + self.offset if self.offset else positions, self.weight)
 
 
+# With AVX512-BF16 the bf16 dot products outrun the 8-bit head's integer products once several rows share the
+# weight stream (an estimate: not measured there yet), so larger batches keep the bf16 copy.
+Q8_HEAD_MAX_ROWS = 4
+
+
 class LMHead(nn.Module):
     """hidden `[N, hidden]` -> logits `[N, vocab]` in float32. `tie_to` shares the embedding's weight."""
 
@@ -100,6 +105,7 @@ class LMHead(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # the CPU form, from `pack_for_cpu`
         self.cpu_kernels: CpuKernels | None = None  # set by `use_cpu_kernel`
         self.vnni_weight: torch.Tensor | None = None  # its packed copy of the weight, when the shape packs
+        self.q8_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # set by `use_q8_weight`
         self.num_embeddings = num_embeddings
         self.shard: VocabShard | None = None  # vocab-parallel (set by the loader)
 
@@ -122,6 +128,19 @@ class LMHead(nn.Module):
         self.cpu_kernels = kernels
         self.vnni_weight = kernels.pack_vnni(self.weight.data)
 
+    def use_q8_weight(self, kernels: CpuKernels, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        """After loading: multiply bf16 hidden states by 8-bit codes with a scale per 32 (`codes * scales`,
+        GGUF's Q8_0: the same weight as the float copy, in half the bytes of bf16) in the C kernel
+        `linear_q8`; float32 hidden states keep the float weight. False (nothing changed) where the kernel
+        is absent, the shape does not pack, or the vocabulary is sharded."""
+        packed = kernels.pack_q8(codes, scales) if kernels.q8_products and self.shard is None else None
+        if packed is None:
+            return False
+        self.cpu_kernels, self.q8_weight = kernels, packed
+        if kernels.packed_isa != "avx512_bf16":  # on AVX2 the 8-bit product is as fast at any batch (README)
+            self.vnni_weight = None
+        return True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._local_logits(hidden)
         if self.shard is None:
@@ -130,6 +149,9 @@ class LMHead(nn.Module):
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         kernels = self.cpu_kernels
+        if (self.q8_weight is not None and kernels.accepts(hidden) and hidden.dim() == 2
+                and (self.vnni_weight is None or hidden.shape[0] <= Q8_HEAD_MAX_ROWS)):
+            return kernels.linear_q8(hidden, self.q8_weight)
         if kernels is not None and self.vnni_weight is not None and kernels.accepts(hidden) and hidden.dim() == 2:
             return kernels.linear_vnni(hidden, self.vnni_weight, None, torch.float32)
         if kernels is not None and kernel_rows(kernels, hidden):

@@ -1,4 +1,5 @@
-"""Reading the Linear weights of a GGUF file in 4-bit form, under Hugging Face names.
+"""Reading the Linear weights of a GGUF file in 4-bit form, under Hugging Face names, and its Q8_0 output
+projection.
 
 `GGUFLinearWeights(path)` memory-maps the file (index read by `gguf_file`) and knows, for each Linear
 weight of a supported architecture, its Hugging Face name (`model.layers.3.self_attn.q_proj`) and
@@ -7,6 +8,10 @@ its GGML type. `int4_components(prefix)` decodes a Q4_0 / Q4_1 tensor into the i
 Q4_1 blocks (`d, m, 16 bytes of nibbles`: `w = d * q + m`) give `scale = d, zero = m + 8 d`; Q4_0
 blocks (`d, 16 bytes`: `w = d * (q - 8)`) give `zero = 0`. In both, byte `j` of a block holds
 element `j` in its low nibble and element `j + 16` in its high nibble.
+
+`head_q8_components()` gives the output projection's Q8_0 blocks (`d, 32 int8`: `w = d * q`) as
+`(codes int8 [vocab, hidden], scales fp32 [vocab, hidden/32])`: `output.weight`, else the token
+embedding, which llama.cpp multiplies by when the file has no `output.weight` (a tied head).
 
 llama.cpp stores the q and k projections of "llama" models with their rows permuted for its rotary
 layout; transformers undoes that when it dequantizes (`LlamaTensorProcessor`), and so does this
@@ -23,6 +28,7 @@ from aserve.model.quantization.gguf_file import GGUFTensorInfo, read_gguf_index
 GGUF_GROUP_SIZE = 32
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_Q8_0_BLOCK_BYTES = 34
 # GGUF tensor name inside a block -> Hugging Face module name inside `model.layers.N`.
 _LINEAR_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -50,6 +56,8 @@ class GGUFLinearWeights:
         self.num_kv_heads = int(fields.get(f"{self.architecture}.attention.head_count_kv", self.num_heads))
         self._data = np.memmap(path, dtype=np.uint8, mode="r")
         self._tensors: dict[str, GGUFTensorInfo] = {}
+        by_name = {tensor.name: tensor for tensor in tensors}
+        self._head: GGUFTensorInfo | None = by_name.get("output.weight", by_name.get("token_embd.weight"))
         for tensor in tensors:
             prefix = _hf_prefix(tensor.name)
             if prefix is not None:
@@ -93,6 +101,20 @@ class GGUFLinearWeights:
         if heads is not None:
             q, d, zero = (_reverse_permute_rows(t, heads) for t in (q, d, zero))
         return q.contiguous(), d.contiguous(), zero.contiguous()
+
+    def head_q8_components(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(codes int8 [vocab, hidden], scales fp32 [vocab, hidden/32])` of the output projection when the
+        file keeps it in Q8_0 (module docstring); None otherwise."""
+        tensor = self._head
+        if tensor is None or tensor.type_name != "Q8_0":
+            return None
+        k, n = tensor.dims
+        groups = k // GGUF_GROUP_SIZE
+        blocks = self._data[tensor.offset:tensor.offset + n * groups * _Q8_0_BLOCK_BYTES].reshape(
+            n, groups, _Q8_0_BLOCK_BYTES)
+        d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, groups).astype(np.float32)
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        return torch.from_numpy(q), torch.from_numpy(d)
 
     def _permuted_heads(self, prefix: str) -> int | None:
         if self.architecture != "llama":

@@ -51,3 +51,25 @@ def test_unsupported_architecture_is_refused_with_the_way_out(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "gpt2", {"blk.0.attn_q.weight": (np.ones((32, 32)), "Q4_1")})
     with pytest.raises(ValueError, match="drop --quantization"):
         GGUFLinearWeights(str(path))
+
+
+@pytest.mark.parametrize("with_output", [False, True])
+def test_head_q8_components_are_the_output_projection_or_the_tied_embedding(tmp_path, with_output):
+    rng = np.random.default_rng(2)
+    tensors = {"token_embd.weight": (rng.standard_normal((64, 96)), "Q8_0"),
+               "blk.0.ffn_up.weight": (rng.standard_normal((128, 96)), "Q4_1")}
+    if with_output:  # an untied head: llama.cpp multiplies by output.weight
+        tensors["output.weight"] = (rng.standard_normal((64, 96)) * 2, "Q8_0")
+    path = write_gguf(tmp_path / "m.gguf", "llama", tensors)
+    codes, scales = GGUFLinearWeights(str(path)).head_q8_components()
+    assert codes.dtype == torch.int8 and codes.shape == (64, 96) and scales.shape == (64, 3)
+    dequantized = (codes.float().reshape(64, 3, 32) * scales[..., None]).reshape(64, 96)
+    name = "output.weight" if with_output else "token_embd.weight"
+    torch.testing.assert_close(dequantized, _reference(path, name), rtol=0, atol=0)
+
+
+def test_head_q8_components_are_none_for_other_types(tmp_path):
+    rng = np.random.default_rng(3)
+    path = write_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": (rng.standard_normal((64, 96)), "F32"),
+                                                     "blk.0.ffn_up.weight": (rng.standard_normal((128, 96)), "Q4_1")})
+    assert GGUFLinearWeights(str(path)).head_q8_components() is None

@@ -1,0 +1,110 @@
+/* linear_q8_f32: rows of x times an 8-bit weight with one fp32 scale per 32 codes of a column (GGUF's Q8_0,
+ * the form llama.cpp files keep the token embedding in, which a tied LM head multiplies by). Half the
+ * bytes of the bf16 weight, for a product whose one-row form streams the weight once per token.
+ *
+ * Layout (CpuKernels.pack_q8): codes int8 [N/32, K/2, 32, 2] (per 32 columns, per pair of k: column c's codes
+ * for k and k + 1 side by side, one 64-byte line), scales fp32 [N/32, K/32, 32]. x is quantized per group of 32 to int16
+ * (scale max|x| / 32767, rounded to nearest even), each group's dot product is exact in int32 (pairs by
+ * _mm256_madd_epi16; |code| <= 128, |x| <= 32767, 32 terms), and the groups are summed in fp32 as
+ * sum_g float(dot_g) * (scale_w * scale_x). The int16 rounding of x is far finer than bf16's (the
+ * activation dtype of the other paths). A column's result does not depend on M or on the threads.
+ * Built and loaded by cpu_ops.py with the other kernels; trusts its input (N % 32 == 0, K % 32 == 0).
+ */
+#include "cpu_common.h"
+
+#define Q8_GROUP 32
+
+int64_t linear_q8_available(void) {
+#if defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX2__)
+/* Row m of x (bf16 or fp32) as int16 codes xq [K] and per-group scales xs [K / 32]. */
+static void quantize_row_int16(const void *x, int64_t x_f32, int64_t K, int16_t *xq, float *xs) {
+    for (int64_t g = 0; g < K / Q8_GROUP; g++) {
+        float v[Q8_GROUP], amax = 0.0f;
+        for (int64_t j = 0; j < Q8_GROUP; j++) {
+            const int64_t k = g * Q8_GROUP + j;
+            v[j] = x_f32 ? ((const float *)x)[k] : bf16_to_f32(((const bf16 *)x)[k]);
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        const float s = amax / 32767.0f;
+        xs[g] = s;
+        for (int64_t j = 0; j < Q8_GROUP; j++)
+            xq[g * Q8_GROUP + j] = s > 0.0f ? (int16_t)lrintf(fminf(fmaxf(v[j] / s, -32767.0f), 32767.0f)) : 0;
+    }
+}
+
+/* One quantized row against the 32 columns of packed block cb: 4 vectors of 8 columns, whose codes for a pair
+ * of k are one 64-byte line (one sequential stream per block). */
+static inline void q8_row(const int16_t *xq, const float *xs, int64_t K, const int8_t *codes, const float *scales,
+                          int64_t cb, float *y) {
+    const int64_t groups = K / Q8_GROUP;
+    const int8_t *wp = codes + cb * K * 32;
+    const float *sp = scales + cb * groups * 32;
+    __m256 total[4];
+    for (int64_t v = 0; v < 4; v++) total[v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i dot[4];
+        for (int64_t v = 0; v < 4; v++) dot[v] = _mm256_setzero_si256();
+        for (int64_t p = g * (Q8_GROUP / 2); p < (g + 1) * (Q8_GROUP / 2); p++) {
+            int32_t pair;
+            memcpy(&pair, xq + 2 * p, sizeof pair);
+            const __m256i xp = _mm256_set1_epi32(pair);
+            for (int64_t h = 0; h < 2; h++) { /* bytes widened to int16 in-lane: (b * 257) >> 8 */
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(wp + p * 64 + h * 32));
+                const __m256i lo = _mm256_srai_epi16(_mm256_unpacklo_epi8(c, c), 8);
+                const __m256i hi = _mm256_srai_epi16(_mm256_unpackhi_epi8(c, c), 8);
+                dot[2 * h] = _mm256_add_epi32(dot[2 * h], _mm256_madd_epi16(lo, xp));
+                dot[2 * h + 1] = _mm256_add_epi32(dot[2 * h + 1], _mm256_madd_epi16(hi, xp));
+            }
+        }
+        const __m256 sx = _mm256_set1_ps(xs[g]);
+        for (int64_t v = 0; v < 4; v++) {
+            const __m256 sw = _mm256_loadu_ps(sp + g * 32 + v * 8);
+            total[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(sw, sx), total[v]);
+        }
+    }
+    for (int64_t v = 0; v < 4; v++) _mm256_storeu_ps(y + 8 * v, total[v]);
+}
+#endif
+
+/* y [M, N] fp32 (rows y_stride apart) = x [M, K] (bf16, or fp32 when x_f32; rows x_stride apart) times the
+ * packed weight. Returns 0, -1 when this build has no AVX2, -2 when out of memory. */
+int64_t linear_q8_f32(const void *x, int64_t x_stride, int64_t x_f32, const int8_t *codes, const float *scales,
+                      float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX2__)
+    const int64_t groups = K / Q8_GROUP, blocks = N / 32;
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    float *xs = malloc((size_t)(M * groups) * sizeof(float));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -2;
+    }
+    const size_t elem = x_f32 ? sizeof(float) : sizeof(bf16);
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_int16((const char *)x + (size_t)(m * x_stride) * elem, x_f32, K, xq + m * K, xs + m * groups);
+    shared_chunks work;
+    shared_chunks_init(&work, blocks, 4); /* chunks of 4 blocks of 32 columns */
+#pragma omp parallel if (N * K > 65536)
+    {
+        int64_t cursor = 0, first, count;
+        while (shared_chunks_next(&work, &cursor, &first, &count))
+            for (int64_t cb = first; cb < first + count; cb++)
+                for (int64_t m = 0; m < M; m++)
+                    q8_row(xq + m * K, xs + m * groups, K, codes, scales, cb, y + m * y_stride + cb * 32);
+    }
+    free(xq);
+    free(xs);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)x_f32; (void)codes; (void)scales; (void)y; (void)y_stride; (void)M; (void)N;
+    (void)K;
+    return -1;
+#endif
+}
