@@ -108,80 +108,131 @@ int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
     return 0;
 }
 
-/* A group of 16 columns in two vectors of 8 as unpack_epi8 leaves them: columns {0-3, 8-11} and {4-7, 12-15}. */
-static inline void split_halves(const uint16_t *h16, __m256 *a, __m256 *b) { /* 16 fp16 values -> both orders */
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h16));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h16 + 8)));
-    *a = _mm256_permute2f128_ps(lo, hi, 0x20);
-    *b = _mm256_permute2f128_ps(lo, hi, 0x31);
+/* The 4-bit product in integer dot products. x is rounded per 32 to 15-bit integers (scale max|x| / 16383,
+ * nearest even; finer than bf16 where it matters, near each group's largest |x|) held as two bytes, xq =
+ * 128 xh + xl with xh in [-128, 127] and xl in [0, 127], and each code byte (0..15) multiplies them in
+ * _mm256_maddubs_epi16 (u8 x s8 pairs: at most 2 x 15 x 128 a lane, 8 steps of 4 k a sum: no saturation).
+ * pack_int4's AVX2 order puts, for step t (k = 4t .. 4t + 3) of a group of 16 columns, byte 4c + j =
+ * code(4t + j, column c) | code(4t + j, column c + 8) << 4, so the low nibbles are columns 0-7 and the high
+ * ones 8-15, each column's 4 codes side by side: maddubs then _mm256_madd_epi16 by ones sum them per column,
+ * in column order. Per group: d * (sum over its 32s of xs * integer dot) + m * (sum of x), in fp32. */
+typedef struct {
+    int8_t *xh, *xl; /* [M, K] */
+    float *xs;       /* [M, K / 32] */
+    float *xsum;     /* [M, K / gs]: sums of x as given */
+} int4_rows;
+
+static void int4_rows_free(int4_rows *r) {
+    free(r->xh);
+    free(r->xl);
+    free(r->xs);
+    free(r->xsum);
 }
 
-/* Rows [0, MB) against one group of 16 columns of pack_int4 codes from qp, group by group of k:
- * total[i][h] = sum over groups of d * (sum of (128 + q) x) + (m - 128 d) * (sum of x), columns 8 h .. 8 h + 7.
- * A step's 32 code bytes (16 columns x 2, see int4_codes_to_bf16) split into low and high nibbles, and each
- * byte interleaved with 0x43 becomes the bf16 of 128 + q: dot-product pairs (k, k + 1) per 32-bit lane,
- * widened as in vnni_block_avx2, for the columns in split_halves' order (put back at the end). One group a
- * block: more spill registers. */
-static inline __attribute__((always_inline)) void int4_block_avx2(const float *xf, int64_t K, const float *xsum,
-                                                                  int64_t groups, const uint8_t *qp,
-                                                                  const uint16_t *dp, const uint16_t *mp, int64_t gs,
-                                                                  const int64_t MB, __m256 total[2][2]) {
-    const int64_t g_steps = gs / 4;
-    const __m256i low4 = _mm256_set1_epi8(0x0F), exponent = _mm256_set1_epi8(0x43);
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int64_t i = 0; i < MB; i++) total[i][0] = total[i][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 lo[2][2], hi[2][2]; /* k = 4t, 4t + 1 | 4t + 2, 4t + 3 */
-        for (int64_t i = 0; i < MB; i++)
-            for (int64_t h = 0; h < 2; h++) lo[i][h] = hi[i][h] = _mm256_setzero_ps();
-        for (int64_t t = g * g_steps; t < (g + 1) * g_steps; t++) {
-            const __m256i r = _mm256_loadu_si256((const __m256i *)(qp + t * 32));
-            const __m256i nib_lo = _mm256_and_si256(r, low4);
-            const __m256i nib_hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), low4);
-            const __m256i pairs[4] = {_mm256_unpacklo_epi8(nib_lo, exponent), _mm256_unpackhi_epi8(nib_lo, exponent),
-                                      _mm256_unpacklo_epi8(nib_hi, exponent), _mm256_unpackhi_epi8(nib_hi, exponent)};
-            for (int64_t p = 0; p < 4; p++) { /* p / 2: low or high nibbles; p % 2 = h: which half of the columns */
-                const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs[p], 16));
-                const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs[p], high));
-                const int64_t h = p % 2;
-                for (int64_t i = 0; i < MB; i++) {
-                    const float *xr = xf + i * K + 4 * t + 2 * (p / 2);
-                    const __m256 sum = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xr + 1),
-                                                       _mm256_fmadd_ps(even, _mm256_broadcast_ss(xr),
-                                                                       p < 2 ? lo[i][h] : hi[i][h]));
-                    if (p < 2) lo[i][h] = sum;
-                    else hi[i][h] = sum;
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* 32 values of x (bf16) as 15-bit integers xq = round(x * (16383 / max|x|)) (nearest even) split into xh, xl;
+ * returns their sum (fp32, for the offset term) and sets *scale = max|x| / 16383. */
+static inline float quantize32_int15(const bf16 *xg, int8_t *xh, int8_t *xl, float *scale) {
+    __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t j = 0; j < 4; j++) {
+        v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xg + 8 * j))), 16));
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        sum = _mm256_add_ps(sum, v[j]);
+    }
+    const float m = hmax8(amax);
+    *scale = m / 16383.0f;
+    const __m256 inv = _mm256_set1_ps(m > 0.0f ? 16383.0f / m : 0.0f);
+    int32_t q[32];
+    for (int64_t j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)));
+    for (int64_t j = 0; j < 32; j++) {
+        xh[j] = (int8_t)(q[j] >> 7); /* arithmetic shift: floor */
+        xl[j] = (int8_t)(q[j] & 127);
+    }
+    return hsum8(sum);
+}
+
+/* x [M, K] bf16 as int4_rows; 0, or -2 when out of memory (everything freed). */
+static int64_t int4_rows_make(const bf16 *x, int64_t x_stride, int64_t M, int64_t K, int64_t gs, int4_rows *r) {
+    r->xh = malloc((size_t)(M * K));
+    r->xl = malloc((size_t)(M * K));
+    r->xs = malloc((size_t)(M * K / 32) * sizeof(float));
+    r->xsum = malloc((size_t)(M * K / gs) * sizeof(float));
+    if (!r->xh || !r->xl || !r->xs || !r->xsum) {
+        int4_rows_free(r);
+        return -2;
+    }
+#pragma omp parallel for if (M * K > 65536)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < K / gs; g++) {
+            float sum = 0.0f;
+            for (int64_t sub = g * (gs / 32); sub < (g + 1) * (gs / 32); sub++)
+                sum += quantize32_int15(x + i * x_stride + sub * 32, r->xh + i * K + sub * 32, r->xl + i * K + sub * 32,
+                                        r->xs + i * (K / 32) + sub);
+            r->xsum[i * (K / gs) + g] = sum;
+        }
+    return 0;
+}
+
+/* Row i of r against one group of 16 columns (codes qp, fp16 d / m rows dp / mp): out[0] columns 0-7, out[1] 8-15. */
+static inline void int4_row_avx2(const int4_rows *r, int64_t i, int64_t K, int64_t gs, const uint8_t *qp,
+                                 const uint16_t *dp, const uint16_t *mp, __m256 out[2]) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int8_t *xh = r->xh + i * K, *xl = r->xl + i * K;
+    const float *xs = r->xs + i * (K / 32), *xsum = r->xsum + i * (K / gs);
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t g = 0; g < K / gs; g++) {
+        __m256 dot[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t sub = g * (gs / 32); sub < (g + 1) * (gs / 32); sub++) {
+            __m256i h16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            __m256i l16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int64_t t = sub * 8; t < sub * 8 + 8; t++) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i *)(qp + t * 32));
+                const __m256i c[2] = {_mm256_and_si256(codes, low4), _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4)};
+                int32_t h4, l4;
+                memcpy(&h4, xh + 4 * t, 4);
+                memcpy(&l4, xl + 4 * t, 4);
+                const __m256i xh4 = _mm256_set1_epi32(h4), xl4 = _mm256_set1_epi32(l4);
+                for (int64_t h = 0; h < 2; h++) {
+                    h16[h] = _mm256_add_epi16(h16[h], _mm256_maddubs_epi16(c[h], xh4));
+                    l16[h] = _mm256_add_epi16(l16[h], _mm256_maddubs_epi16(c[h], xl4));
                 }
             }
+            const __m256 scale = _mm256_set1_ps(xs[sub]);
+            for (int64_t h = 0; h < 2; h++) {
+                const __m256i whole = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h16[h], ones), 7),
+                                                       _mm256_madd_epi16(l16[h], ones));
+                dot[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), scale, dot[h]);
+            }
         }
-        __m256 d[2], m[2];
-        split_halves(dp + g * 16, &d[0], &d[1]);
-        split_halves(mp + g * 16, &m[0], &m[1]);
+        const __m256 sum = _mm256_set1_ps(xsum[g]);
         for (int64_t h = 0; h < 2; h++) {
-            const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(128.0f), d[h], m[h]); /* codes entered as 128 + q */
-            for (int64_t i = 0; i < MB; i++)
-                total[i][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[i * groups + g]),
-                                              _mm256_fmadd_ps(d[h], _mm256_add_ps(lo[i][h], hi[i][h]), total[i][h]));
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + g * 16 + 8 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + g * 16 + 8 * h)));
+            total[h] = _mm256_fmadd_ps(m, sum, _mm256_fmadd_ps(d, dot[h], total[h]));
         }
     }
-    for (int64_t i = 0; i < MB; i++) { /* back to column order */
-        const __m256 a = total[i][0], b = total[i][1];
-        total[i][0] = _mm256_permute2f128_ps(a, b, 0x20);
-        total[i][1] = _mm256_permute2f128_ps(a, b, 0x31);
-    }
+    out[0] = total[0];
+    out[1] = total[1];
 }
 
 int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
                          const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
                          int64_t K, int64_t y_f32, int64_t gs) {
     const int64_t groups = K / gs, col_groups = N / 16;
-    float *xf = rows_to_f32(x, x_stride, M, K);
-    float *xsum = row_group_sums(x, x_stride, M, K, gs);
-    if (!xf || !xsum) {
-        free(xf);
-        free(xsum);
-        return -2;
-    }
+    int4_rows rows;
+    if (int4_rows_make(x, x_stride, M, K, gs, &rows)) return -2;
     shared_chunks work;
     shared_chunks_init(&work, col_groups, 1); /* chunks of one group of 16 columns */
 #pragma omp parallel if (N * K > 65536)
@@ -190,19 +241,14 @@ int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
         while (shared_chunks_next(&work, &cursor, &c0, &ng)) {
             const uint8_t *qp = q_packed + c0 * K * 8;
             const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
-            for (int64_t m0 = 0; m0 < M; m0 += 2) {
-                const int64_t mb = (M - m0) < 2 ? (M - m0) : 2;
-                const float *xb = xf + m0 * K, *xs = xsum + m0 * groups;
-                __m256 total[2][2];
-                if (mb == 2) int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 2, total);
-                else int4_block_avx2(xb, K, xs, groups, qp, dp, mp, gs, 1, total);
-                for (int64_t i = 0; i < mb; i++)
-                    store_vectors(y, (m0 + i) * y_stride + c0 * 16, total[i], 2, bias ? bias + c0 * 16 : NULL, y_f32);
+            for (int64_t i = 0; i < M; i++) {
+                __m256 total[2];
+                int4_row_avx2(&rows, i, K, gs, qp, dp, mp, total);
+                store_vectors(y, i * y_stride + c0 * 16, total, 2, bias ? bias + c0 * 16 : NULL, y_f32);
             }
         }
     }
-    free(xf);
-    free(xsum);
+    int4_rows_free(&rows);
     return 0;
 }
 #endif

@@ -230,8 +230,7 @@ class CpuKernels:
                                if status == -1 else "linear_vnni: out of memory")
         return out
 
-    @staticmethod
-    def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int = 32,
+    def pack_int4(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int = 32,
                   exact: bool = True) -> tuple[torch.Tensor, ...] | None:
         """Group-wise 4-bit weights `w[n, k] = q[n, k] * scale[n, k // gs] + offset[n, k // gs]` (q uint8
         0..15 `[N, K]`, scale / offset float `[N, K/gs]`, gs = `group_size`, a multiple of 32) in the form
@@ -243,10 +242,14 @@ class CpuKernels:
         gs = group_size
         if gs < 32 or gs % 32 or n % 16 or k % gs or scale.shape != (n, k // gs) or offset.shape != scale.shape:
             return None
-        # [N/16, 16 columns, K/4 steps, 2 halves (k = 4t + 0..1 | 4t + 2..3), 2 (k within the pair)]
-        codes = q.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)
-        # byte (column c, pair position e) of step t: low nibble k = 4t + e, high nibble k = 4t + 2 + e
-        packed = (codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+        if self.packed_isa == "avx2":  # integer dot products (cpu_matmul_avx2.c): byte 4c + j of step t holds
+            # k = 4t + j of column c (low nibble) and of column c + 8 (high nibble)
+            codes = q.to(torch.uint8).reshape(n // 16, 2, 8, k // 4, 4)
+            packed = (codes[:, 0] | (codes[:, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+        else:  # bf16 dot products (cpu_matmul.c): [N/16, 16 columns, K/4 steps, 2 halves, 2 (k within the pair)]
+            codes = q.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)
+            # byte (column c, pair position e) of step t: low nibble k = 4t + e, high nibble k = 4t + 2 + e
+            packed = (codes[:, :, :, 0, :] | (codes[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
 
         def per_column_group(t: torch.Tensor) -> torch.Tensor:
             return t.half().reshape(n // 16, 16, k // gs).permute(0, 2, 1).contiguous()

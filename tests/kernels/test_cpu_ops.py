@@ -42,6 +42,23 @@ def assert_rounded_once(got: torch.Tensor, want_fp32: torch.Tensor, exact_fracti
     assert (got == rounded).float().mean().item() >= exact_fraction
 
 
+def int4_expected(kernels, x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                  group_size: int = 32) -> torch.Tensor:
+    """What `linear_int4` computes in fp32 (`w = q * scale + offset`, scale / offset exact in fp16): with bf16
+    dot products, the exact product of x as given; with the AVX2 integer products, x rounded per 32 to 15-bit
+    integers (`round(x * (16383 / max|x|))`, fp32, nearest even) times the codes, then scaled (cpu_matmul_avx2.c)."""
+    scale_k, offset_k = scale.repeat_interleave(group_size, 1), offset.repeat_interleave(group_size, 1)
+    if kernels.packed_isa != "avx2":
+        return x.float() @ (weight_q.float() * scale_k + offset_k).T
+    m, k = x.shape
+    xg = x.float().reshape(m, k // 32, 32)
+    amax = xg.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(16383.0) / amax, torch.zeros_like(amax))
+    xq = (xg * inv).round() * (amax / torch.tensor(16383.0))  # fp32 steps as the kernel's
+    return (xq.reshape(m, k).double() @ (weight_q.double() * scale_k.double()).T
+            + x.double() @ offset_k.double().T).float()
+
+
 def test_rms_norm_with_and_without_residual(kernels):
     x, residual = _rand(6, 64 * 3, seed=0)[:, :72], _rand(6, 72, seed=1)  # x rows strided
     weight = (1 + _rand(72, seed=2).float() * 0.3).to(BF16)
@@ -171,9 +188,8 @@ def test_products_split_among_threads_cover_every_column_once(kernels, threads, 
         q = torch.randint(0, 16, (336, 256), generator=gen, dtype=torch.uint8)
         scale = (torch.rand(336, 8, generator=gen) * 0.1).half().float()
         offset = (torch.randn(336, 8, generator=gen) * 0.1).half().float()
-        dequant = q.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
         torch.testing.assert_close(kernels.linear_int4(x, kernels.pack_int4(q, scale, offset), None, torch.float32),
-                                   x.float() @ dequant.T, rtol=1e-5, atol=1e-5)
+                                   int4_expected(kernels, x, q, scale, offset), rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(before)
 
@@ -193,9 +209,26 @@ def test_linear_int4(kernels, rows):
         with pytest.raises(RuntimeError, match="no packed matrix products"):
             kernels.linear_int4(x, packed)
         return
-    want = x.float() @ weight.T + bias.float()
-    torch.testing.assert_close(kernels.linear_int4(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
+    want = int4_expected(kernels, x, q, scale, offset) + bias.float()
+    torch.testing.assert_close(kernels.linear_int4(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-4)
     assert_rounded_once(kernels.linear_int4(x, packed, bias), want, exact_fraction=0.95)
+    # x's 15-bit rounding (AVX2) stays far inside bf16's own rounding of x
+    torch.testing.assert_close(want, x.float() @ weight.T + bias.float(), rtol=1e-3, atol=2e-3)
+
+
+def test_linear_int4_one_row_sums_as_in_a_batch(kernels):
+    """A row's result does not depend on the rows beside it (a request's tokens do not depend on the batch)."""
+    if not kernels.packed_matmuls:
+        pytest.skip("no packed products in this build")
+    gen = torch.Generator().manual_seed(24)
+    q = torch.randint(0, 16, (64, 576), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(64, 18, generator=gen) * 0.1).half().float()
+    offset = (torch.randn(64, 18, generator=gen) * 0.1).half().float()
+    packed = kernels.pack_int4(q, scale, offset)
+    x = _rand(7, 576, seed=25)
+    batch = kernels.linear_int4(x, packed, None, torch.float32)
+    for i in (0, 3, 6):
+        assert torch.equal(kernels.linear_int4(x[i:i + 1], packed, None, torch.float32), batch[i:i + 1])
 
 
 @pytest.mark.parametrize("group_size", [64, 128])
@@ -211,12 +244,10 @@ def test_linear_int4_wider_groups(kernels, rows, group_size):
     packed = kernels.pack_int4(q, scale, offset, group_size, exact=False)  # rounded to fp16
     assert packed[1].shape == (n // 16, k // group_size, 16)
     assert kernels.pack_int4(q, scale, offset, 48, exact=False) is None  # not a multiple of 32
-    weight = (q.float() * scale.half().float().repeat_interleave(group_size, 1)
-              + offset.half().float().repeat_interleave(group_size, 1))
     x = _rand(rows, k, seed=22)
     if not kernels.packed_matmuls:
         return
-    want = x.float() @ weight.T
+    want = int4_expected(kernels, x, q, scale.half().float(), offset.half().float(), group_size)
     torch.testing.assert_close(kernels.linear_int4(x, packed, None, torch.float32), want, rtol=1e-5, atol=1e-4)
     narrow = kernels.pack_int4(q, scale.half().float().repeat_interleave(group_size // 32, 1),
                                offset.half().float().repeat_interleave(group_size // 32, 1))

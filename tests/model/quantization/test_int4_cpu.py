@@ -57,9 +57,11 @@ def test_bf16_activations_are_close():
 
 
 def test_bf16_with_the_c_kernel_rounds_only_the_activations():
-    """aserve's C int4 kernel (bf16, groups of 32): sums of codes x activations are exact-product fp32 and
-    the group scale is applied in fp32, so it matches fp32 math on the bf16-rounded activations; torch's
-    kernel (scales rounded to bf16, bf16 output) is the fallback elsewhere."""
+    """aserve's C int4 kernel (bf16, groups of 32): with AVX512-BF16, sums of codes x activations are
+    exact-product fp32 and the group scale is applied in fp32, so it matches fp32 math on the bf16-rounded
+    activations; with AVX2 the activations are further rounded to 15-bit integers per 32 (integer dot
+    products), far inside bf16's own rounding. torch's kernel (scales rounded to bf16, bf16 output) is the
+    fallback elsewhere."""
     from aserve.kernels import cpu_ops
 
     kernels = cpu_ops.load()
@@ -72,13 +74,15 @@ def test_bf16_with_the_c_kernel_rounds_only_the_activations():
     assert hasattr(layer, "int4_c_codes") and not hasattr(layer, "int4_weight")
     x = torch.randn(9, 96).bfloat16()
     want = x.float() @ dequantize_int4(q, scale, zero).T
-    torch.testing.assert_close(int4_linear(layer, x, 32, None).float(), want, rtol=2**-8, atol=1e-6)
+    exact = kernels.packed_isa != "avx2"
+    out_atol, f32_tol = (1e-6, 1e-5) if exact else (2e-3, 2e-3)
+    torch.testing.assert_close(int4_linear(layer, x, 32, None).float(), want, rtol=2**-8, atol=out_atol)
     layer.float_output = True
     got = int4_linear(layer, x, 32, None)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=f32_tol, atol=f32_tol)
     compiled = torch.compile(lambda t: int4_linear(layer, t, 32, None), backend="eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x).float(), want, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(compiled(x).float(), want, rtol=2**-8, atol=out_atol)
 
 
 def test_packable_shapes():
