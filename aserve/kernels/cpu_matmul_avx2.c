@@ -147,7 +147,8 @@ static inline float quantize32_int15(const bf16 *xg, int8_t *xh, int8_t *xl, flo
     __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t j = 0; j < 4; j++) {
-        v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xg + 8 * j))), 16));
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(xg + 8 * j));
+        v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
         amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
         sum = _mm256_add_ps(sum, v[j]);
     }
@@ -155,7 +156,8 @@ static inline float quantize32_int15(const bf16 *xg, int8_t *xh, int8_t *xl, flo
     *scale = m / 16383.0f;
     const __m256 inv = _mm256_set1_ps(m > 0.0f ? 16383.0f / m : 0.0f);
     int32_t q[32];
-    for (int64_t j = 0; j < 4; j++) _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)));
+    for (int64_t j = 0; j < 4; j++)
+        _mm256_storeu_si256((__m256i *)(q + 8 * j), _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)));
     for (int64_t j = 0; j < 32; j++) {
         xh[j] = (int8_t)(q[j] >> 7); /* arithmetic shift: floor */
         xl[j] = (int8_t)(q[j] & 127);
@@ -199,7 +201,8 @@ static inline void int4_row_avx2(const int4_rows *r, int64_t i, int64_t K, int64
             __m256i l16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int64_t t = sub * 8; t < sub * 8 + 8; t++) {
                 const __m256i codes = _mm256_loadu_si256((const __m256i *)(qp + t * 32));
-                const __m256i c[2] = {_mm256_and_si256(codes, low4), _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4)};
+                const __m256i c[2] = {_mm256_and_si256(codes, low4),
+                                      _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4)};
                 int32_t h4, l4;
                 memcpy(&h4, xh + 4 * t, 4);
                 memcpy(&l4, xl + 4 * t, 4);

@@ -2,8 +2,9 @@
  * the form llama.cpp files keep the token embedding in, which a tied LM head multiplies by). Half the
  * bytes of the bf16 weight, for a product whose one-row form streams the weight once per token.
  *
- * Layout (CpuKernels.pack_q8): codes int8 [N/32, K/2, 32, 2] (per 32 columns, per pair of k: column c's codes
- * for k and k + 1 side by side, one 64-byte line), scales fp32 [N/32, K/32, 32]. x is quantized per group of 32 to int16
+ * Layout (CpuKernels.pack_q8): codes int8 [N/32, K/2, 32, 2] (per 32 columns, per pair of k: column c's
+ * codes for k and k + 1 side by side, one 64-byte line; in each half of 16 columns the order the in-lane
+ * widening reads back as columns 0-7, 8-15), scales fp32 [N/32, K/32, 32]. x is quantized per group of 32 to int16
  * (scale max|x| / 32767, rounded to nearest even), each group's dot product is exact in int32 (pairs by
  * _mm256_madd_epi16; |code| <= 128, |x| <= 32767, 32 terms), and the groups are summed in fp32 as
  * sum_g float(dot_g) * (scale_w * scale_x). The int16 rounding of x is far finer than bf16's (the
