@@ -187,47 +187,54 @@ static int64_t int4_rows_make(const bf16 *x, int64_t x_stride, int64_t M, int64_
     return 0;
 }
 
-/* Row i of r against one group of 16 columns (codes qp, fp16 d / m rows dp / mp): out[0] columns 0-7, out[1] 8-15. */
-static inline void int4_row_avx2(const int4_rows *r, int64_t i, int64_t K, int64_t gs, const uint8_t *qp,
-                                 const uint16_t *dp, const uint16_t *mp, __m256 out[2]) {
+/* Rows [i0, i0 + MB) of r (MB 1 or 2: a step's codes are loaded and split once for both) against one group of
+ * 16 columns (codes qp, fp16 d / m rows dp / mp): out[i][0] columns 0-7, out[i][1] 8-15. Each row's arithmetic
+ * is the same whatever MB (a row's result does not depend on the batch). */
+static inline __attribute__((always_inline)) void int4_rows_avx2(const int4_rows *r, int64_t i0, const int64_t MB,
+                                                                 int64_t K, int64_t gs, const uint8_t *qp,
+                                                                 const uint16_t *dp, const uint16_t *mp,
+                                                                 __m256 out[2][2]) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int8_t *xh = r->xh + i * K, *xl = r->xl + i * K;
-    const float *xs = r->xs + i * (K / 32), *xsum = r->xsum + i * (K / gs);
-    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < MB; i++) out[i][0] = out[i][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < K / gs; g++) {
-        __m256 dot[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 dot[2][2];
+        for (int64_t i = 0; i < MB; i++) dot[i][0] = dot[i][1] = _mm256_setzero_ps();
         for (int64_t sub = g * (gs / 32); sub < (g + 1) * (gs / 32); sub++) {
-            __m256i h16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            __m256i l16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            __m256i h16[2][2], l16[2][2];
+            for (int64_t i = 0; i < MB; i++)
+                h16[i][0] = h16[i][1] = l16[i][0] = l16[i][1] = _mm256_setzero_si256();
             for (int64_t t = sub * 8; t < sub * 8 + 8; t++) {
                 const __m256i codes = _mm256_loadu_si256((const __m256i *)(qp + t * 32));
                 const __m256i c[2] = {_mm256_and_si256(codes, low4),
                                       _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4)};
-                int32_t h4, l4;
-                memcpy(&h4, xh + 4 * t, 4);
-                memcpy(&l4, xl + 4 * t, 4);
-                const __m256i xh4 = _mm256_set1_epi32(h4), xl4 = _mm256_set1_epi32(l4);
-                for (int64_t h = 0; h < 2; h++) {
-                    h16[h] = _mm256_add_epi16(h16[h], _mm256_maddubs_epi16(c[h], xh4));
-                    l16[h] = _mm256_add_epi16(l16[h], _mm256_maddubs_epi16(c[h], xl4));
+                for (int64_t i = 0; i < MB; i++) {
+                    int32_t h4, l4;
+                    memcpy(&h4, r->xh + (i0 + i) * K + 4 * t, 4);
+                    memcpy(&l4, r->xl + (i0 + i) * K + 4 * t, 4);
+                    const __m256i xh4 = _mm256_set1_epi32(h4), xl4 = _mm256_set1_epi32(l4);
+                    for (int64_t h = 0; h < 2; h++) {
+                        h16[i][h] = _mm256_add_epi16(h16[i][h], _mm256_maddubs_epi16(c[h], xh4));
+                        l16[i][h] = _mm256_add_epi16(l16[i][h], _mm256_maddubs_epi16(c[h], xl4));
+                    }
                 }
             }
-            const __m256 scale = _mm256_set1_ps(xs[sub]);
-            for (int64_t h = 0; h < 2; h++) {
-                const __m256i whole = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h16[h], ones), 7),
-                                                       _mm256_madd_epi16(l16[h], ones));
-                dot[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), scale, dot[h]);
+            for (int64_t i = 0; i < MB; i++) {
+                const __m256 scale = _mm256_set1_ps(r->xs[(i0 + i) * (K / 32) + sub]);
+                for (int64_t h = 0; h < 2; h++) {
+                    const __m256i whole = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(h16[i][h], ones), 7),
+                                                           _mm256_madd_epi16(l16[i][h], ones));
+                    dot[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(whole), scale, dot[i][h]);
+                }
             }
         }
-        const __m256 sum = _mm256_set1_ps(xsum[g]);
         for (int64_t h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dp + g * 16 + 8 * h)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + g * 16 + 8 * h)));
-            total[h] = _mm256_fmadd_ps(m, sum, _mm256_fmadd_ps(d, dot[h], total[h]));
+            for (int64_t i = 0; i < MB; i++)
+                out[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(r->xsum[(i0 + i) * (K / gs) + g]),
+                                            _mm256_fmadd_ps(d, dot[i][h], out[i][h]));
         }
     }
-    out[0] = total[0];
-    out[1] = total[1];
 }
 
 int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
@@ -244,10 +251,13 @@ int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
         while (shared_chunks_next(&work, &cursor, &c0, &ng)) {
             const uint8_t *qp = q_packed + c0 * K * 8;
             const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
-            for (int64_t i = 0; i < M; i++) {
-                __m256 total[2];
-                int4_row_avx2(&rows, i, K, gs, qp, dp, mp, total);
-                store_vectors(y, i * y_stride + c0 * 16, total, 2, bias ? bias + c0 * 16 : NULL, y_f32);
+            for (int64_t i0 = 0; i0 < M; i0 += 2) {
+                __m256 total[2][2];
+                const int64_t mb = (M - i0) < 2 ? (M - i0) : 2;
+                if (mb == 2) int4_rows_avx2(&rows, i0, 2, K, gs, qp, dp, mp, total);
+                else int4_rows_avx2(&rows, i0, 1, K, gs, qp, dp, mp, total);
+                for (int64_t i = 0; i < mb; i++)
+                    store_vectors(y, (i0 + i) * y_stride + c0 * 16, total[i], 2, bias ? bias + c0 * 16 : NULL, y_f32);
             }
         }
     }
