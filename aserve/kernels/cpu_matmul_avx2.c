@@ -1,9 +1,9 @@
 /* The packed matrix products (linear_vnni_bf16, linear_int4_bf16 in cpu_matmul.c) on CPUs with AVX2 and
- * FMA but no AVX512-BF16 (Zen 2 / Zen 3, Intel before Cooper Lake): the same packed layouts, each weight
- * widened to fp32 exactly (a bf16 is the top half of its fp32; a 4-bit code becomes the bf16 of 128 + q),
- * x converted to fp32 once per call, and fp32 FMAs. Every output column has one accumulation order whatever
- * the block (k in sequence; for 4-bit codes the low and the high nibbles of a step in two accumulators,
- * added per group), so a row's result is bitwise the same alone or in a batch. Built and loaded by
+ * FMA but no AVX512-BF16 (Zen 2 / Zen 3, Intel before Cooper Lake). linear_vnni: the same packed layout as
+ * the AVX512 form, each bf16 weight widened to fp32 exactly (the top half of its fp32), x converted to fp32
+ * once per call, fp32 FMAs. linear_int4: integer dot products on the code bytes with x rounded per 32 to
+ * 15-bit integers, in its own packed order (see int4_rows_avx2). Every output column has one accumulation
+ * order whatever the block, so a row's result is bitwise the same alone or in a batch. Built and loaded by
  * cpu_ops.py with the other kernels; these functions trust their input.
  */
 #include "cpu_common.h"

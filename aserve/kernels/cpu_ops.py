@@ -234,7 +234,8 @@ class CpuKernels:
                   exact: bool = True) -> tuple[torch.Tensor, ...] | None:
         """Group-wise 4-bit weights `w[n, k] = q[n, k] * scale[n, k // gs] + offset[n, k // gs]` (q uint8
         0..15 `[N, K]`, scale / offset float `[N, K/gs]`, gs = `group_size`, a multiple of 32) in the form
-        `linear_int4` takes: codes `[N/16, K/4, 32]` uint8 (two codes a byte, see cpu_ops.c) and scale /
+        `linear_int4` takes: codes `[N/16, K/4, 32]` uint8 (two codes a byte, in the order this build's form
+        reads them: cpu_matmul.c for AVX512-BF16, cpu_matmul_avx2.c for AVX2) and scale /
         offset `[N/16, K/gs, 16]` fp16. None unless N % 16 == 0, K % gs == 0 and (with `exact`) every scale
         and offset is exact in fp16 (GGUF's Q4_0 / Q4_1 are; `quantize_int4` rounds its own to fp16);
         without `exact` they are rounded to fp16 (a checkpoint's own scales)."""

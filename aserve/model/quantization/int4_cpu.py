@@ -8,7 +8,8 @@ is that form with `scale = d, zero = m + 8 d`, and Q4_0 (`d * (q - 8)`) with `ze
 min/max quantization of a float weight produces it too (`quantize_int4`).
 
 aserve's kernel multiplies the codes exactly and applies each group's scale and offset in fp32 (only
-the activations are rounded); it may return float32 for layers with `float_output`. torch's kernel
+the activations are rounded: to bf16, and on AVX2 further to 15-bit integers per 32 for integer dot
+products); it may return float32 for layers with `float_output`. torch's kernel
 computes in the activation dtype, and its scales/zeros must be in that dtype: with bf16
 activations it is the fast path (scales rounded to bf16); with fp32 activations it reproduces the
 dequantized weight to float rounding, but its cost grows with every row (about 5 ms per row for a
