@@ -33,7 +33,10 @@ async def run_pipelined(engine: AsyncEngine) -> None:
         if not core.num_steps_in_flight:  # unfinished requests, none of which can run now
             await anyio.sleep(0.001)
             continue
+        fd = core._executor.reply_fileno() if hasattr(core._executor, "reply_fileno") else None
+        if fd is not None:
+            await anyio.wait_readable(fd)
         async with engine._executor_lock:
-            so, output, seconds = await anyio.to_thread.run_sync(core.collect)
+            so, output, seconds = core.collect() if fd is not None else await anyio.to_thread.run_sync(core.collect)
         engine._deliver(core.update(so, output), seconds)
         await anyio.sleep(0)  # let request handlers run between steps

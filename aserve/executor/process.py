@@ -52,6 +52,7 @@ _ADD_LORA, _REMOVE_LORA, _ADAPTER_ERROR = b"L", b"R", b"A"  # an adapter error l
 _SLEEP, _WAKE_UP = b"Z", b"W"  # sleep mode: a failure is fatal, as in a step
 # A streamed multi-step call: rank 0 sends each decode step's output but the last as a progress message.
 _EXECUTE_STREAMED, _PROGRESS = b"e", b"P"
+_DIRECT_SEND_BYTES = 32768
 
 
 def _worker_main(conn, config_bytes: bytes, rank: int, rendezvous: Rendezvous | None) -> None:
@@ -109,6 +110,8 @@ class ProcessExecutor:
         self._dead: str | None = None
         self._outbox: queue.Queue[bytes | None] | None = None  # submit's messages (sender thread)
         self._sender: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+        self._queued_sends = 0
 
     def start(self) -> RunnerInfo:
         """Start one worker per rank and wait for all of them; the output rank's RunnerInfo (the ranks
@@ -210,7 +213,21 @@ class ProcessExecutor:
             self._outbox = queue.Queue()
             self._sender = threading.Thread(target=self._send_loop, name="aserve-step-sender", daemon=True)
             self._sender.start()
-        self._outbox.put(_EXECUTE + _encoder.encode(scheduler_output))
+        body = _EXECUTE + _encoder.encode(scheduler_output)
+        with self._send_lock:
+            if len(body) <= _DIRECT_SEND_BYTES and self._queued_sends == 0:
+                try:
+                    for conn in self._conns:
+                        conn.send_bytes(body)
+                except (OSError, ValueError):
+                    pass  # the worker is gone: collect reports it
+                return
+            self._queued_sends += 1
+        self._outbox.put(body)
+
+    def reply_fileno(self) -> int | None:
+        """A file descriptor that is readable once `collect` would not wait (one worker only), else None."""
+        return self._conns[0].fileno() if len(self._conns) == 1 else None
 
     def _send_loop(self) -> None:
         """The sender thread: every rank gets each message in order; a broken pipe ends it (the worker's
@@ -221,6 +238,9 @@ class ProcessExecutor:
                     conn.send_bytes(body)
             except (OSError, ValueError):
                 return
+            finally:
+                with self._send_lock:
+                    self._queued_sends -= 1
 
     def collect(self) -> RunnerOutput:
         """The output of the oldest step `submit` started and no `collect` returned yet (blocking)."""

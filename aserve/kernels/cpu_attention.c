@@ -5,7 +5,7 @@
  * exact); prefill also multiplies the probabilities, rounded to bf16 as torch's flash attention does,
  * with V that way. Built and loaded by cpu_ops.py, which checks shapes; these functions trust their input.
  */
-#include "cpu_common.h"
+#include "cpu_team.h"
 
 #define KEY_CHUNK 64
 #define MAX_GROUP 16
@@ -375,4 +375,30 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
             }
         }
     }
+}
+
+/* One (sequence b, KV head g) item of paged_decode_attention_bf16's portable form (the cache already
+ * written): the G query heads' outputs, stored under `commit` (cpu_team.h). */
+void decode_attention_item(const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache,
+                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t b, int64_t g,
+                           int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
+                           float softcap, chunk_commit *commit) {
+    const int64_t G = H / KVH, row = KVH * D, len = seq_lens[b];
+    const int64_t start = (window > 0 && len > window) ? len - window : 0;
+    const int32_t *table = block_tables + b * bt_stride;
+    const bf16 *qg = q + (b * H + g * G) * D;
+    bf16 kept[G * D];
+    switch (D) {
+    case 64:
+        attend_kv_head(qg, kept, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
+        break;
+    case 128:
+        attend_kv_head(qg, kept, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
+        break;
+    default:
+        attend_kv_head(qg, kept, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
+    }
+    if (!chunk_commit_begin(commit)) return;
+    memcpy(out + (b * H + g * G) * D, kept, (size_t)(G * D) * sizeof(bf16));
+    chunk_commit_end(commit);
 }

@@ -2,7 +2,7 @@
  * or packed in K-pairs) and for group-wise 4-bit weights. Built and loaded by cpu_ops.py, which checks
  * shapes; these functions trust their input.
  */
-#include "cpu_common.h"
+#include "cpu_team.h"
 
 /* sums[i][j] = x[i] . w[j] for i < mb, j < nb (x rows x_stride apart, w rows K apart). MB / NB are
  * compile-time bounds where inlined with constants (the accumulators then live in registers). */
@@ -42,6 +42,32 @@ static inline __attribute__((always_inline)) void dot_block(const bf16 *x, int64
 
 #define LINEAR_PREFETCH_ROWS 8
 
+/* Weight rows [n0, n0 + nb) (nb <= 4) of linear_bf16 for every row of x; stores under `commit` (NULL: at once). */
+void linear_bf16_chunk(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bias, void *y, int64_t y_stride,
+                       int64_t M, int64_t N, int64_t K, int64_t y_f32, int64_t n0, int64_t nb, chunk_commit *commit) {
+    const bf16 *wb = w + n0 * K;
+    const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= N) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
+    const bf16 *b = bias ? bias + n0 : NULL;
+    const int deferred = commit && commit->state;
+    float kept[deferred ? M * 4 : 1]; /* the results until the chunk may store them */
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
+        float sums[4][4];
+        const bf16 *xb = x + m0 * x_stride;
+        if (nb == 4 && mb == 4) dot_block(xb, x_stride, wb, K, 4, 4, m0 ? NULL : prefetch, sums);
+        else if (nb == 4 && mb == 1) dot_block(xb, x_stride, wb, K, 1, 4, prefetch, sums);
+        else if (nb == 4 && mb == 2) dot_block(xb, x_stride, wb, K, 2, 4, m0 ? NULL : prefetch, sums);
+        else dot_block(xb, x_stride, wb, K, mb, nb, m0 ? NULL : prefetch, sums);
+        for (int64_t i = 0; i < mb; i++) {
+            if (deferred) memcpy(kept + (m0 + i) * 4, sums[i], 4 * sizeof(float));
+            else store_outputs(y, (m0 + i) * y_stride + n0, sums[i], b, nb, y_f32);
+        }
+    }
+    if (!deferred || !chunk_commit_begin(commit)) return;
+    for (int64_t i = 0; i < M; i++) store_outputs(y, i * y_stride + n0, kept + i * 4, b, nb, y_f32);
+    chunk_commit_end(commit);
+}
+
 /* y [M, N] = x [M, K] @ w[N, K]^T (+ bias [N]); bf16 in and out, fp32 accumulation, one rounding.
  * x rows have stride x_stride, y rows y_stride (elements); w is contiguous (Hugging Face layout). y is
  * float32 (no rounding) when y_f32 is non-zero. Output
@@ -54,21 +80,8 @@ void linear_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, const bf16 *bia
 #pragma omp parallel if (N * K > 65536)
     {
         int64_t cursor = 0, n0, nb;
-        while (shared_chunks_next(&work, &cursor, &n0, &nb)) {
-            const bf16 *wb = w + n0 * K;
-            const bf16 *prefetch = (n0 + LINEAR_PREFETCH_ROWS + 4 <= N) ? wb + LINEAR_PREFETCH_ROWS * K : NULL;
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int64_t mb = (M - m0) < 4 ? (M - m0) : 4;
-                float sums[4][4];
-                const bf16 *xb = x + m0 * x_stride;
-                if (nb == 4 && mb == 4) dot_block(xb, x_stride, wb, K, 4, 4, m0 ? NULL : prefetch, sums);
-                else if (nb == 4 && mb == 1) dot_block(xb, x_stride, wb, K, 1, 4, prefetch, sums);
-                else if (nb == 4 && mb == 2) dot_block(xb, x_stride, wb, K, 2, 4, m0 ? NULL : prefetch, sums);
-                else dot_block(xb, x_stride, wb, K, mb, nb, m0 ? NULL : prefetch, sums);
-                for (int64_t i = 0; i < mb; i++)
-                    store_outputs(y, (m0 + i) * y_stride + n0, sums[i], bias ? bias + n0 : NULL, nb, y_f32);
-            }
-        }
+        while (shared_chunks_next(&work, &cursor, &n0, &nb))
+            linear_bf16_chunk(x, x_stride, w, bias, y, y_stride, M, N, K, y_f32, n0, nb, NULL);
     }
 }
 

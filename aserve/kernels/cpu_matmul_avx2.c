@@ -6,19 +6,10 @@
  * order whatever the block, so a row's result is bitwise the same alone or in a batch. Built and loaded by
  * cpu_ops.py with the other kernels; these functions trust their input.
  */
-#include "cpu_common.h"
+#include "cpu_decode.h"
 
 #if ASERVE_PACKED_AVX2
 #include <immintrin.h>
-
-/* x [M, K] bf16 (rows x_stride apart) as contiguous fp32 [M, K]; NULL when it cannot be allocated. */
-static float *rows_to_f32(const bf16 *x, int64_t x_stride, int64_t M, int64_t K) {
-    float *xf = malloc((size_t)(M * K) * sizeof(float));
-    if (!xf) return NULL;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t k = 0; k < K; k++) xf[i * K + k] = bf16_to_f32(x[i * x_stride + k]);
-    return xf;
-}
 
 /* y[row, col0 + 8 v + l] = acc[v] lane l (+ bias) for v < nv. */
 static inline void store_vectors(void *y, int64_t at, const __m256 *acc, int64_t nv, const bf16 *bias,
@@ -76,33 +67,53 @@ static inline __attribute__((always_inline)) void vnni_row_avx2(const float *xf,
 #define AVX2_ROW_VECTORS 8 /* a one-row chunk: 4 groups of 16 columns */
 #define AVX2_BLOCK_ROWS 4  /* a batch's register block: 4 rows x 2 vectors (one group of 16 columns) */
 
+int64_t vnni_avx2_chunk_groups(int64_t M) { return M == 1 ? AVX2_ROW_VECTORS / 2 : 1; }
+
+void vnni_avx2_chunk(const float *xf, const bf16 *w_packed, const bf16 *bias, void *y, int64_t y_stride, int64_t M,
+                     int64_t K, int64_t y_f32, int64_t g0, int64_t ng, chunk_commit *commit) {
+    const bf16 *wp = w_packed + g0 * (K / 2) * 32;
+    const bf16 *b = bias ? bias + g0 * 16 : NULL;
+    const int deferred = commit && commit->state;
+    const int64_t nv = 2 * ng;
+    __m256 kept[deferred ? M * nv : 1]; /* the results until the chunk may store them */
+    for (int64_t m0 = 0; m0 < M; m0 += AVX2_BLOCK_ROWS) {
+        const int64_t mb = (M - m0) < AVX2_BLOCK_ROWS ? (M - m0) : AVX2_BLOCK_ROWS;
+        const float *xb = xf + m0 * K;
+        __m256 acc[4][8];
+        if (M == 1 && ng == AVX2_ROW_VECTORS / 2) vnni_row_avx2(xb, K, wp, AVX2_ROW_VECTORS, acc);
+        else if (M == 1) vnni_row_avx2(xb, K, wp, 2 * ng, acc);
+        else if (mb == 4) vnni_block_avx2(xb, K, wp, 4, 2, acc); /* (M > 1: chunks of one group) */
+        else if (mb == 3) vnni_block_avx2(xb, K, wp, 3, 2, acc);
+        else if (mb == 2) vnni_block_avx2(xb, K, wp, 2, 2, acc);
+        else vnni_block_avx2(xb, K, wp, 1, 2, acc);
+        for (int64_t i = 0; i < mb; i++) {
+            if (deferred) memcpy(kept + (m0 + i) * nv, acc[i], (size_t)nv * sizeof(__m256));
+            else store_vectors(y, (m0 + i) * y_stride + g0 * 16, acc[i], nv, b, y_f32);
+        }
+    }
+    if (!deferred || !chunk_commit_begin(commit)) return;
+    for (int64_t i = 0; i < M; i++) store_vectors(y, i * y_stride + g0 * 16, kept + i * nv, nv, b, y_f32);
+    chunk_commit_end(commit);
+}
+
+float *vnni_avx2_rows(const bf16 *x, int64_t x_stride, int64_t M, int64_t K, float *xf) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < K; k++) xf[i * K + k] = bf16_to_f32(x[i * x_stride + k]);
+    return xf;
+}
+
 int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, const bf16 *bias, void *y,
                          int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t y_f32) {
-    float *xf = rows_to_f32(x, x_stride, M, K);
+    float *xf = malloc((size_t)(M * K) * sizeof(float));
     if (!xf) return -2;
-    const int64_t groups = N / 16, per_chunk = M == 1 ? AVX2_ROW_VECTORS / 2 : 1;
+    vnni_avx2_rows(x, x_stride, M, K, xf);
     shared_chunks work;
-    shared_chunks_init(&work, groups, per_chunk);
+    shared_chunks_init(&work, N / 16, vnni_avx2_chunk_groups(M));
 #pragma omp parallel if (N * K > 65536)
     {
         int64_t cursor = 0, g0, ng;
-        while (shared_chunks_next(&work, &cursor, &g0, &ng)) {
-            const bf16 *wp = w_packed + g0 * (K / 2) * 32;
-            for (int64_t m0 = 0; m0 < M; m0 += AVX2_BLOCK_ROWS) {
-                const int64_t mb = (M - m0) < AVX2_BLOCK_ROWS ? (M - m0) : AVX2_BLOCK_ROWS;
-                const float *xb = xf + m0 * K;
-                __m256 acc[4][8];
-                if (M == 1 && ng == AVX2_ROW_VECTORS / 2) vnni_row_avx2(xb, K, wp, AVX2_ROW_VECTORS, acc);
-                else if (M == 1) vnni_row_avx2(xb, K, wp, 2 * ng, acc);
-                else if (mb == 4) vnni_block_avx2(xb, K, wp, 4, 2, acc); /* (M > 1: chunks of one group) */
-                else if (mb == 3) vnni_block_avx2(xb, K, wp, 3, 2, acc);
-                else if (mb == 2) vnni_block_avx2(xb, K, wp, 2, 2, acc);
-                else vnni_block_avx2(xb, K, wp, 1, 2, acc);
-                for (int64_t i = 0; i < mb; i++)
-                    store_vectors(y, (m0 + i) * y_stride + g0 * 16, acc[i], 2 * ng, bias ? bias + g0 * 16 : NULL,
-                                  y_f32);
-            }
-        }
+        while (shared_chunks_next(&work, &cursor, &g0, &ng))
+            vnni_avx2_chunk(xf, w_packed, bias, y, y_stride, M, K, y_f32, g0, ng, NULL);
     }
     free(xf);
     return 0;
@@ -116,11 +127,6 @@ int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
  * code(4t + j, column c) | code(4t + j, column c + 8) << 4, so the low nibbles are columns 0-7 and the high
  * ones 8-15, each column's 4 codes side by side: maddubs then _mm256_madd_epi16 by ones sum them per column,
  * in column order. Per group: d * (sum over its 32s of xs * integer dot) + m * (sum of x), in fp32. */
-typedef struct {
-    int8_t *xh, *xl; /* [M, K] */
-    float *xs;       /* [M, K / 32] */
-    float *xsum;     /* [M, K / gs]: sums of x as given */
-} int4_rows;
 
 static void int4_rows_free(int4_rows *r) {
     free(r->xh);
@@ -165,6 +171,19 @@ static inline float quantize32_int15(const bf16 *xg, int8_t *xh, int8_t *xl, flo
     return hsum8(sum);
 }
 
+/* Fills r (its arrays allocated by the caller for M rows of K) from x [M, K] bf16. */
+void int4_avx2_rows(const bf16 *x, int64_t x_stride, int64_t M, int64_t K, int64_t gs, const int4_rows *r) {
+#pragma omp parallel for if (M * K > 65536)
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < K / gs; g++) {
+            float sum = 0.0f;
+            for (int64_t sub = g * (gs / 32); sub < (g + 1) * (gs / 32); sub++)
+                sum += quantize32_int15(x + i * x_stride + sub * 32, r->xh + i * K + sub * 32, r->xl + i * K + sub * 32,
+                                        r->xs + i * (K / 32) + sub);
+            r->xsum[i * (K / gs) + g] = sum;
+        }
+}
+
 /* x [M, K] bf16 as int4_rows; 0, or -2 when out of memory (everything freed). */
 static int64_t int4_rows_make(const bf16 *x, int64_t x_stride, int64_t M, int64_t K, int64_t gs, int4_rows *r) {
     r->xh = malloc((size_t)(M * K));
@@ -175,15 +194,7 @@ static int64_t int4_rows_make(const bf16 *x, int64_t x_stride, int64_t M, int64_
         int4_rows_free(r);
         return -2;
     }
-#pragma omp parallel for if (M * K > 65536)
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t g = 0; g < K / gs; g++) {
-            float sum = 0.0f;
-            for (int64_t sub = g * (gs / 32); sub < (g + 1) * (gs / 32); sub++)
-                sum += quantize32_int15(x + i * x_stride + sub * 32, r->xh + i * K + sub * 32, r->xl + i * K + sub * 32,
-                                        r->xs + i * (K / 32) + sub);
-            r->xsum[i * (K / gs) + g] = sum;
-        }
+    int4_avx2_rows(x, x_stride, M, K, gs, r);
     return 0;
 }
 
@@ -237,29 +248,42 @@ static inline __attribute__((always_inline)) void int4_rows_avx2(const int4_rows
     }
 }
 
+void int4_avx2_chunk(const int4_rows *r, const uint8_t *q_packed, const uint16_t *d, const uint16_t *m,
+                     const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t K, int64_t y_f32, int64_t gs,
+                     int64_t c0, chunk_commit *commit) {
+    const int64_t groups = K / gs;
+    const uint8_t *qp = q_packed + c0 * K * 8;
+    const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
+    const bf16 *b = bias ? bias + c0 * 16 : NULL;
+    const int deferred = commit && commit->state;
+    __m256 kept[deferred ? M * 2 : 1]; /* the results until the chunk may store them */
+    for (int64_t i0 = 0; i0 < M; i0 += 2) {
+        __m256 total[2][2];
+        const int64_t mb = (M - i0) < 2 ? (M - i0) : 2;
+        if (mb == 2) int4_rows_avx2(r, i0, 2, K, gs, qp, dp, mp, total);
+        else int4_rows_avx2(r, i0, 1, K, gs, qp, dp, mp, total);
+        for (int64_t i = 0; i < mb; i++) {
+            if (deferred) memcpy(kept + (i0 + i) * 2, total[i], 2 * sizeof(__m256));
+            else store_vectors(y, (i0 + i) * y_stride + c0 * 16, total[i], 2, b, y_f32);
+        }
+    }
+    if (!deferred || !chunk_commit_begin(commit)) return;
+    for (int64_t i = 0; i < M; i++) store_vectors(y, i * y_stride + c0 * 16, kept + i * 2, 2, b, y_f32);
+    chunk_commit_end(commit);
+}
+
 int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packed, const uint16_t *d,
                          const uint16_t *m, const bf16 *bias, void *y, int64_t y_stride, int64_t M, int64_t N,
                          int64_t K, int64_t y_f32, int64_t gs) {
-    const int64_t groups = K / gs, col_groups = N / 16;
     int4_rows rows;
     if (int4_rows_make(x, x_stride, M, K, gs, &rows)) return -2;
     shared_chunks work;
-    shared_chunks_init(&work, col_groups, 1); /* chunks of one group of 16 columns */
+    shared_chunks_init(&work, N / 16, 1); /* chunks of one group of 16 columns */
 #pragma omp parallel if (N * K > 65536)
     {
         int64_t cursor = 0, c0, ng;
-        while (shared_chunks_next(&work, &cursor, &c0, &ng)) {
-            const uint8_t *qp = q_packed + c0 * K * 8;
-            const uint16_t *dp = d + c0 * groups * 16, *mp = m + c0 * groups * 16;
-            for (int64_t i0 = 0; i0 < M; i0 += 2) {
-                __m256 total[2][2];
-                const int64_t mb = (M - i0) < 2 ? (M - i0) : 2;
-                if (mb == 2) int4_rows_avx2(&rows, i0, 2, K, gs, qp, dp, mp, total);
-                else int4_rows_avx2(&rows, i0, 1, K, gs, qp, dp, mp, total);
-                for (int64_t i = 0; i < mb; i++)
-                    store_vectors(y, (i0 + i) * y_stride + c0 * 16, total[i], 2, bias ? bias + c0 * 16 : NULL, y_f32);
-            }
-        }
+        while (shared_chunks_next(&work, &cursor, &c0, &ng))
+            int4_avx2_chunk(&rows, q_packed, d, m, bias, y, y_stride, M, K, y_f32, gs, c0, NULL);
     }
     int4_rows_free(&rows);
     return 0;

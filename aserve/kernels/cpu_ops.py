@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_matmul_avx2.c", "cpu_attention.c",
                                             "cpu_prefill_attention.c", "cpu_decode_step.c", "cpu_decode_moe.c",
-                                            "cpu_matmul_q8.c"))
+                                            "cpu_decode_team.c", "cpu_matmul_q8.c"))
 # (all include cpu_common.h)
-_HEADERS = (_HERE / "cpu_common.h", _HERE / "cpu_decode.h")
+_HEADERS = (_HERE / "cpu_common.h", _HERE / "cpu_decode.h", _HERE / "cpu_team.h")
 
 _BF16 = torch.bfloat16
 _ROW_DTYPES = (torch.bfloat16, torch.float32)  # inputs the norm and the activation take
@@ -120,6 +120,9 @@ class CpuKernels:
         self.q8_products = bool(library.linear_q8_available())  # `linear_q8` (AVX2 integer products)
         self.decode_layers = library.decode_layers_bf16  # typed by its caller (aserve/runner/cpu_decode_step.py)
         self.decode_layers.restype = ctypes.c_int64
+        self.team_selftest = library.team_selftest  # (ops, chunks, threads, stall) -> chunks taken over, or < 0
+        self.team_selftest.argtypes = (ctypes.c_int64,) * 4
+        self.team_selftest.restype = ctypes.c_int64
         library.has_native_bf16_dot.restype = ctypes.c_int64
         library.packed_matmul_isa.restype = ctypes.c_int64
         # Whether `linear` runs on the CPU's bf16 dot-product instructions (else fp32 FMAs, slower than oneDNN).

@@ -32,7 +32,7 @@ from aserve.runner import cpu_decode_layers as layers_c
 from aserve.runner.cpu_decode_layers import Layer, NotEligible, StepShape
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = (_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, *([_P] * 11))
+_ARGTYPES = (_P, _I, _P, _P, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, *([_P] * 11), _I)
 
 
 class _Form(NamedTuple):
@@ -128,6 +128,7 @@ class CpuDecodeStep:
                          torch.empty(rows, h, dtype=bf16)]
         self._fn = kernels.decode_layers
         self._fn.argtypes = _ARGTYPES
+        self.use_team = True  # the step's ops shared by one team of threads (cpu_team.h); False: per kernel
 
     @classmethod
     def build(cls, model: nn.Module, kernels: CpuKernels | None, max_rows: int) -> CpuDecodeStep | None:
@@ -159,7 +160,7 @@ class CpuDecodeStep:
                           residual[0].data_ptr(), residual[1].data_ptr(), cos_sin.data_ptr(), local.data_ptr(),
                           rot_half, tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
                           meta.slot_mapping.data_ptr(), rows, h, *self.shape, self.block_size, self.eps,
-                          *(t.data_ptr() for t in self._scratch))
+                          *(t.data_ptr() for t in self._scratch), int(self.use_team))
         if status < 0:
             raise RuntimeError(f"CPU decode step: a projection's kernel failed ({status})")
         out = hidden[:rows] if status & 2 else hidden.view(-1).view(torch.bfloat16)[:rows * h].view(rows, h)
