@@ -168,6 +168,10 @@ class EngineCore:
         self._executor.submit(scheduler_output)
         self._steps_in_flight.append((scheduler_output, time.perf_counter()))
 
+    def reply_fileno(self) -> int | None:
+        """See Executor.reply_fileno: readable once `collect` would not wait (None: it may)."""
+        return self._executor.reply_fileno()
+
     def collect(self) -> tuple[SchedulerOutput, RunnerOutput, float]:
         """The oldest step in flight, its output (blocking; ExecutorDeadError as `execute_model`) and the
         seconds since it was submitted; the caller applies it with `update`."""

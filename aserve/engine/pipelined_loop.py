@@ -4,8 +4,8 @@ run at once, so every stage has work (vLLM's virtual engines).
 Each turn: schedule and submit steps until the pipeline is full or nothing more can run (the scheduler
 leaves requests already in flight out of later steps), then collect the oldest step, apply it and
 deliver its outputs while the later steps still run on the workers. Scheduling, `update`, delivery and
-`submit` (which only hands the step to the executor's own sender) stay on the event loop; only the
-blocking `collect` goes to a worker thread. This loop also runs async scheduling (two steps in flight).
+`submit` (which never waits) stay on the event loop; so does `collect` where the executor has a file
+descriptor to wait on (the `mp` worker's pipe), else the blocking `collect` goes to a worker thread. This loop also runs async scheduling (two steps in flight).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ async def run_pipelined(engine: AsyncEngine) -> None:
         if not core.num_steps_in_flight:  # unfinished requests, none of which can run now
             await anyio.sleep(0.001)
             continue
-        fd = core._executor.reply_fileno() if hasattr(core._executor, "reply_fileno") else None
-        if fd is not None:
+        fd = core.reply_fileno()
+        if fd is not None:  # the worker's pipe: wait on the loop, then read the reply at once
             await anyio.wait_readable(fd)
         async with engine._executor_lock:
             so, output, seconds = core.collect() if fd is not None else await anyio.to_thread.run_sync(core.collect)

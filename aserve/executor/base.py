@@ -40,6 +40,11 @@ class Executor(Protocol):
         """The output of the oldest step `submit` started and no `collect` returned; failures as `execute`."""
         ...
 
+    def reply_fileno(self) -> int | None:
+        """A file descriptor that turns readable when `collect` has a reply to read (or a worker died), so
+        an event loop can wait for it without a thread; None when there is none (collect then blocks)."""
+        ...
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter into the runner's host cache (blocking; never concurrently with
         `execute`). Raises LoRAAdapterError (the adapter's fault: the runner is unharmed) or

@@ -5,10 +5,11 @@ which meet in `torch.distributed` at a localhost port chosen here (gloo on CPU, 
 step's `SchedulerOutput` goes to every rank (they all run the same step; the last stage's ranks sample
 the same tokens from the gathered logits); the first rank of the last stage returns the `RunnerOutput`
 (`rank_worker.output_rank`), the others answer with an empty acknowledgement. `submit` / `collect`
-split a step so that several are in flight (pipeline parallelism): each worker's pipe keeps them in
-order, and `collect` returns the oldest step's output. `submit` hands the message to a sender thread:
-written from the caller's thread, a large step could block on a worker that is itself blocked writing a
-large reply the caller has not read yet.
+split a step so that several are in flight (pipeline parallelism, async scheduling): each worker's pipe
+keeps them in order, and `collect` returns the oldest step's output. `submit` writes a small step itself
+and hands a large one to a sender thread: written from the caller's thread, a large step could block on a
+worker that is itself blocked writing a large reply the caller has not read yet. `reply_fileno` lets the
+async engine's event loop wait for a reply itself (no thread hand-off per step).
 
 Any worker's death (crash, OOM kill) or error, at start-up or in a step, is fatal: ExecutorDeadError,
 which the engine turns into failed requests and a failing /health, never a hang. While waiting for a
@@ -52,6 +53,8 @@ _ADD_LORA, _REMOVE_LORA, _ADAPTER_ERROR = b"L", b"R", b"A"  # an adapter error l
 _SLEEP, _WAKE_UP = b"Z", b"W"  # sleep mode: a failure is fatal, as in a step
 # A streamed multi-step call: rank 0 sends each decode step's output but the last as a progress message.
 _EXECUTE_STREAMED, _PROGRESS = b"e", b"P"
+# A step this small is written by `submit` itself: with at most a few steps in flight it fits the pipe's
+# buffer, so the write cannot wait on the worker (larger ones go through the sender thread).
 _DIRECT_SEND_BYTES = 32768
 
 
@@ -215,19 +218,20 @@ class ProcessExecutor:
             self._sender.start()
         body = _EXECUTE + _encoder.encode(scheduler_output)
         with self._send_lock:
-            if len(body) <= _DIRECT_SEND_BYTES and self._queued_sends == 0:
+            if len(body) <= _DIRECT_SEND_BYTES and self._queued_sends == 0:  # fits the pipe's buffer: no wait
                 try:
                     for conn in self._conns:
                         conn.send_bytes(body)
                 except (OSError, ValueError):
                     pass  # the worker is gone: collect reports it
                 return
-            self._queued_sends += 1
+            self._queued_sends += 1  # after the sender's queue, in order
         self._outbox.put(body)
 
     def reply_fileno(self) -> int | None:
-        """A file descriptor that is readable once `collect` would not wait (one worker only), else None."""
-        return self._conns[0].fileno() if len(self._conns) == 1 else None
+        """The worker's pipe with one worker (readable once its reply, or its end, is there: `collect` then
+        reads a whole message, which the worker writes at once); None with several ranks."""
+        return self._conns[0].fileno() if len(self._conns) == 1 and self._dead is None else None
 
     def _send_loop(self) -> None:
         """The sender thread: every rank gets each message in order; a broken pipe ends it (the worker's

@@ -204,6 +204,9 @@ class RayExecutor:
         """The oldest submitted step's output (blocking)."""
         return _decode_ro.decode(self._gather(self._submitted.popleft())[self.output_rank])
 
+    def reply_fileno(self) -> None:
+        return None
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         body = _encoder.encode(lora_request)
         self._adapter_replies([a.add_lora.remote(body) for a in self._actors])

@@ -68,6 +68,9 @@ class ThreadExecutor:
         """The oldest submitted step's output (blocking); failures as `execute`."""
         return self._submitted.popleft().result()
 
+    def reply_fileno(self) -> None:
+        return None
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Raises LoRAAdapterError for any failure to load the adapter (the runner's state is unchanged)."""
         if self._dead is not None:

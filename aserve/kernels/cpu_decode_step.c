@@ -227,27 +227,24 @@ static int64_t team_sizes(const decode_layer *layers, int64_t num_layers, const 
  * [B, 2 * rot_half] bf16 rows; block_tables [B, bt_stride] int32, seq_lens [B] int32 (after this token),
  * slots [B] int64. Scratch: normed [B, H], qkv [B, (NH + 2 KVH) D], q_rot and q_normed [B, NH, D], k_rot and
  * k_normed [B, KVH, D], attn [B, NH, D] (bf16); o_out [B, H], gate_up [B, the widest first MLP projection]
- * (fp32 or bf16); act [B, I] (bf16); attn_normed [B, H] (bf16). With use_team (and two threads or more, no
- * MoE block), the whole step is one OpenMP region whose threads share the ops as cpu_team.h describes
- * (the same results bit for bit); else each kernel runs in its own region. */
+ * (fp32 or bf16); act [B, I] (bf16); attn_normed [B, H] (bf16). With team_threads >= 2 (at most
+ * TEAM_MAX_THREADS; no MoE block; not on AVX512-BF16 builds yet), the whole step is one OpenMP region of
+ * that many threads sharing the ops as cpu_team.h describes (the same results bit for bit); else each
+ * kernel runs in its own region. */
 int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const bf16 *embedded, void *hidden,
                            float *residual0, float *residual1, const bf16 *cos_sin, const bf16 *local_cos_sin,
                            int64_t rot_half, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                            const int64_t *slots, int64_t B, int64_t H, int64_t NH, int64_t KVH, int64_t D,
                            int64_t block_size, float eps, bf16 *normed, bf16 *qkv, bf16 *q_rot, bf16 *k_rot,
                            bf16 *attn, void *o_out, void *gate_up, bf16 *act, bf16 *q_normed, bf16 *k_normed,
-                           bf16 *attn_normed, int64_t use_team) {
+                           bf16 *attn_normed, int64_t team_threads) {
     const step_ctx c = {B, H, NH, KVH, D, block_size, rot_half, bt_stride, eps, cos_sin, local_cos_sin,
                         block_tables, seq_lens, slots, normed, qkv, q_rot, k_rot, attn, act, q_normed, k_normed,
                         attn_normed, o_out, gate_up};
     step_worker alone = {NULL, 0, 0, NULL, {NULL, NULL, NULL, NULL}};
-#if defined(_OPENMP)
-    const int64_t threads = omp_get_max_threads();
-#else
-    const int64_t threads = 1;
-#endif
+    const int64_t threads = team_threads;
     int64_t max_k = 0, max_chunks = 0;
-    if (!use_team || threads < 2 || threads > TEAM_MAX_THREADS ||
+    if (threads < 2 || threads > TEAM_MAX_THREADS ||
         !team_sizes(layers, num_layers, &c, &max_k, &max_chunks))
         return run_layers(&alone, layers, num_layers, embedded, hidden, residual0, residual1, &c);
     team t;

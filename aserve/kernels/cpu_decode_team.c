@@ -100,7 +100,8 @@ void step_attention(step_worker *w, const bf16 *q, bf16 *out, bf16 *k_cache, bf1
 }
 
 /* team_selftest's op: y_op[c] = y_(op-1)[c] * 3 + c + (the sum of y_(op-1) over a neighbour window), one
- * chunk per element; `stall` makes thread 1 sleep 2 ms before storing every stall-th chunk it computes. */
+ * chunk per element, each made to last 5 us (so every thread gets chunks); `stall` makes thread 1 sleep 2 ms
+ * before storing every stall-th chunk it computes. */
 typedef struct {
     const int64_t *prev;
     int64_t *next, n, stall, me;
@@ -115,7 +116,8 @@ static int64_t selftest_value(const int64_t *prev, int64_t n, int64_t c) {
 
 static void selftest_chunk(const void *arg, int64_t chunk, chunk_commit *commit) {
     const selftest_op *a = arg;
-    const int64_t v = selftest_value(a->prev, a->n, chunk);
+    const int64_t v = selftest_value(a->prev, a->n, chunk), until = team_now_ns() + 5000;
+    while (team_now_ns() < until) continue;
     if (a->me == 1 && a->stall && ++*a->seen % a->stall == 0) {
         const struct timespec pause = {0, 2000000};
         nanosleep(&pause, NULL);

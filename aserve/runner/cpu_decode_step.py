@@ -128,7 +128,8 @@ class CpuDecodeStep:
                          torch.empty(rows, h, dtype=bf16)]
         self._fn = kernels.decode_layers
         self._fn.argtypes = _ARGTYPES
-        self.use_team = True  # the step's ops shared by one team of threads (cpu_team.h); False: per kernel
+        # The step's ops shared by a team of this many threads (kernels/cpu_team.h); < 2: a region per kernel.
+        self.team_threads = torch.get_num_threads()
 
     @classmethod
     def build(cls, model: nn.Module, kernels: CpuKernels | None, max_rows: int) -> CpuDecodeStep | None:
@@ -160,7 +161,7 @@ class CpuDecodeStep:
                           residual[0].data_ptr(), residual[1].data_ptr(), cos_sin.data_ptr(), local.data_ptr(),
                           rot_half, tables.data_ptr(), tables.stride(0), meta.seq_lens.data_ptr(),
                           meta.slot_mapping.data_ptr(), rows, h, *self.shape, self.block_size, self.eps,
-                          *(t.data_ptr() for t in self._scratch), int(self.use_team))
+                          *(t.data_ptr() for t in self._scratch), self.team_threads)
         if status < 0:
             raise RuntimeError(f"CPU decode step: a projection's kernel failed ({status})")
         out = hidden[:rows] if status & 2 else hidden.view(-1).view(torch.bfloat16)[:rows * h].view(rows, h)

@@ -134,3 +134,28 @@ def test_process_executor_shutdown_joins_the_worker(tiny_config):
     executor.shutdown()
     assert not _alive(pid)  # joined (reaped), not left running or as a zombie
     assert executor.pid is None
+
+
+@pytest.mark.timeout(180)
+def test_process_executor_submits_in_order_and_its_pipe_says_when_a_reply_is_there(tiny_config, monkeypatch):
+    """A small step is written by `submit` itself, a large one by the sender thread; a small one after a
+    large one still waits its turn. `reply_fileno` turns readable once the oldest reply is there."""
+    import select
+
+    from aserve.executor import process
+
+    executor = ProcessExecutor(tiny_config)
+    try:
+        executor.start()
+        fd = executor.reply_fileno()
+        assert fd is not None
+        monkeypatch.setattr(process, "_DIRECT_SEND_BYTES", 0)  # "a" counts as large: the sender writes it
+        executor.submit(first_step("a"))
+        monkeypatch.undo()
+        executor.submit(first_step("b"))
+        for want in ("a", "b"):
+            assert select.select([fd], [], [], 60)[0] == [fd]
+            assert executor.collect().req_ids == [want]
+        assert executor._queued_sends == 0
+    finally:
+        executor.shutdown()

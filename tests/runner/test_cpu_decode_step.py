@@ -32,9 +32,10 @@ FAMILIES = {
 }
 
 
-def _outputs(path: str, monkeypatch, native: bool, max_tokens: list[int], **kwargs) -> tuple[list, int]:
+def _outputs(path: str, monkeypatch, native: bool, max_tokens: list[int], team_threads: int | None = None,
+             **kwargs) -> tuple[list, int]:
     """(each request's (tokens, logprobs), native step calls): greedy, 3 logprobs per token; requests
-    end at different lengths, so the batch shrinks."""
+    end at different lengths, so the batch shrinks. `team_threads`: the native step's team (None: as built)."""
     monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1" if native else "0")
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.02,
               block_size=8, **kwargs)
@@ -42,6 +43,8 @@ def _outputs(path: str, monkeypatch, native: bool, max_tokens: list[int], **kwar
     calls = [0]
     if native:
         assert runner.cpu_step is not None
+        if team_threads is not None:
+            runner.cpu_step.team_threads = team_threads
         run = runner.cpu_step.run
 
         def counted(*args):
@@ -67,6 +70,23 @@ def test_one_call_equals_the_layers_bitwise(tmp_path, monkeypatch, family, quant
     native, calls = _outputs(str(tmp_path), monkeypatch, True, lengths, quantization=quantization)
     assert native == layers
     assert calls >= max(lengths) - 1  # every decode step went through the native call
+
+
+@pytest.mark.parametrize("family, quantization", [("llama", None), ("llama", "int4"), ("gemma3", None),
+                                                  ("qwen2", "int4")])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_team_of_threads_equals_the_layers_bitwise(tmp_path, monkeypatch, family, quantization, threads):
+    """The step on one team (kernels/cpu_team.h), here with more threads than this machine has cores, so
+    the OS pauses some in the middle of chunks the others then take over: the same bits; 1 = a region per
+    kernel."""
+    name, overrides = FAMILIES[family]
+    save_tiny_hf(tmp_path, name, seed=5, perturb=True, **{**GREEDY_STABLE, **overrides})
+    lengths = [12, 5, 9, 16, 3]
+    layers, _ = _outputs(str(tmp_path), monkeypatch, False, lengths, quantization=quantization)
+    native, calls = _outputs(str(tmp_path), monkeypatch, True, lengths, team_threads=threads,
+                             quantization=quantization)
+    assert native == layers
+    assert calls >= max(lengths) - 1
 
 
 # Families whose layers compute the norm (LayerNorm), the plain activation or the routing in torch ops.
