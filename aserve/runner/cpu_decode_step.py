@@ -8,7 +8,9 @@ padding and no LoRA. The embedding (with learned positions where the family has 
 norm stay the model's own modules. For the RMSNorm families the call runs the same kernels in the same
 order as the layer-by-layer forward, so its hidden states are bitwise the same; GPT-2 and OPT (whose
 LayerNorms and activations are torch ops layer by layer) and MoE blocks (whose routing softmax is) agree
-within bf16 rounding. The layers remain the reference and the fallback.
+within bf16 rounding. The layers remain the reference and the fallback. With torch's thread count at
+two or more the call's threads share its ops as one team (`kernels/cpu_team.h`: no barrier between ops,
+a chunk a paused thread holds finished by another; the same bits), `team_threads` says how many.
 
 Qualifies: the decoder forms `cpu_decode_layers.py` describes (Llama, Mistral, Qwen2, Qwen3, Phi-3,
 Mixtral, Qwen2-MoE, Qwen3-MoE; Gemma 2 and 3; GPT-2; OPT, pre- and post-LN) with every projection on a C
