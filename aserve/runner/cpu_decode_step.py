@@ -143,7 +143,11 @@ class CpuDecodeStep:
         except (NotEligible, AttributeError, IndexError) as e:
             log_once(logging.INFO, f"CPU decode: layer by layer ({type(model).__name__}: {e})")
             return None
-        log_once(logging.INFO, f"CPU decode: {type(model).__name__}'s {len(step._layers)} layers in one native call")
+        on_team = (step.team_threads >= 2 and kernels.packed_isa == "avx2"  # (the C step's own rule: cpu_decode_step.c)
+                   and not any(layer.moe for layer in step._layers))
+        team = f"one team of {step.team_threads} threads" if on_team else "a region per kernel"
+        log_once(logging.INFO, f"CPU decode: {type(model).__name__}'s {len(step._layers)} layers in one native call "
+                               f"({team})")
         return step
 
     def can_run(self, meta, num_rows: int) -> bool:

@@ -89,6 +89,37 @@ def test_a_team_of_threads_equals_the_layers_bitwise(tmp_path, monkeypatch, fami
     assert calls >= max(lengths) - 1
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt", "opt_post_ln"])
+def test_a_team_of_threads_equals_one_region_per_kernel_for_the_layernorm_forms(tmp_path, monkeypatch, family):
+    """GPT-2 and OPT (pre- and post-LN) on a team of 3 threads: bitwise the step with a region per kernel."""
+    name, overrides, quantization = CLOSE_FAMILIES[family]
+    save_tiny_hf(tmp_path, name, seed=5, perturb=True, **{**GREEDY_STABLE, **overrides})
+    lengths = [12, 5, 9, 16, 3]
+    one, _ = _outputs(str(tmp_path), monkeypatch, True, lengths, team_threads=1, quantization=quantization)
+    team, _ = _outputs(str(tmp_path), monkeypatch, True, lengths, team_threads=3, quantization=quantization)
+    assert team == one
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_process_with_a_team_of_threads_equals_the_layers(tmp_path, monkeypatch):
+    """The `mp` worker (as the server runs it: async scheduling) with 3 threads on the team: bitwise the layers."""
+    name, overrides = FAMILIES["llama"]
+    save_tiny_hf(tmp_path, name, seed=5, perturb=True, **{**GREEDY_STABLE, **overrides})
+    lengths = [12, 5, 9, 16, 3]
+    layers, _ = _outputs(str(tmp_path), monkeypatch, False, lengths)
+    monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the spawned worker's torch threads, so its team
+    llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.02,
+              block_size=8, distributed_executor_backend="mp", async_scheduling=True)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3, detokenize=False)
+                  for n in lengths]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == layers
+
+
 # Families whose layers compute the norm (LayerNorm), the plain activation or the routing in torch ops.
 CLOSE_FAMILIES = {
     "gpt2": ("gpt2", {}, None),  # learned positions, LayerNorms with biases, GELU-tanh (gelu_new)
