@@ -126,8 +126,8 @@ int64_t linear_vnni_avx2(const bf16 *x, int64_t x_stride, const bf16 *w_packed, 
  * pack_int4's AVX2 order puts, for step t (k = 4t .. 4t + 3) of a group of 16 columns, byte 4c + j =
  * code(4t + j, column c) | code(4t + j, column c + 8) << 4, so the low nibbles are columns 0-7 and the high
  * ones 8-15, each column's 4 codes side by side: maddubs then _mm256_madd_epi16 by ones sum them per column,
- * in column order. Per group: d * (sum over its 32s of xs * integer dot) + m * (sum of x), in fp32. */
-
+ * in column order. Per group: d * (sum over its 32s of xs * integer dot) + m * (sum of x), in fp32. x's
+ * rounded form is an int4_rows (cpu_decode.h: the team form of the decode step keeps one in its scratch). */
 static void int4_rows_free(int4_rows *r) {
     free(r->xh);
     free(r->xl);
