@@ -5,7 +5,8 @@ Each turn: schedule and submit steps until the pipeline is full or nothing more 
 leaves requests already in flight out of later steps), then collect the oldest step, apply it and
 deliver its outputs while the later steps still run on the workers. Scheduling, `update`, delivery and
 `submit` (which never waits) stay on the event loop; so does `collect` where the executor has a file
-descriptor to wait on (the `mp` worker's pipe), else the blocking `collect` goes to a worker thread. This loop also runs async scheduling (two steps in flight).
+descriptor to wait on (the `mp` worker's pipe), else the blocking `collect` goes to a worker thread.
+This loop also runs async scheduling (two steps in flight).
 """
 
 from __future__ import annotations
