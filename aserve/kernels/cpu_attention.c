@@ -297,6 +297,33 @@ static int64_t decode_splits(const int32_t *seq_lens, int64_t B, int64_t KVH, in
 }
 #endif
 
+/* Sequence b's G query heads of KV head g (q [B, H, D]) attended into og [G, D]: paged decode attention's
+ * unit of work, on the bf16 dot product where the build and D allow, else attend_kv_head. */
+static void attend_item(const bf16 *q, bf16 *og, const bf16 *k_cache, const bf16 *v_cache, const int32_t *block_tables,
+                        int64_t bt_stride, const int32_t *seq_lens, int64_t b, int64_t g, int64_t H, int64_t G,
+                        int64_t D, int64_t row, int64_t block_size, int64_t window, float scale, float softcap) {
+    const int64_t len = seq_lens[b];
+    const int64_t start = (window > 0 && len > window) ? len - window : 0;
+    const int32_t *table = block_tables + b * bt_stride;
+    const bf16 *qg = q + (b * H + g * G) * D;
+#if defined(__AVX512BF16__)
+    if (D % 32 == 0 && D <= 256) {
+        attend_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap, NULL);
+        return;
+    }
+#endif
+    switch (D) {
+    case 64:
+        attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
+        break;
+    case 128:
+        attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
+        break;
+    default:
+        attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
+    }
+}
+
 /* Decode attention over a paged bf16 KV cache, reading the blocks in place.
  *
  * q [B, H, D] contiguous; k_cache / v_cache [num_blocks, block_size, KVH, D] (one layer's halves);
@@ -352,52 +379,22 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * H > 16384)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t g = 0; g < KVH; g++) {
-            const int64_t len = seq_lens[b];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            const int32_t *table = block_tables + b * bt_stride;
-            const bf16 *qg = q + (b * H + g * G) * D;
-            bf16 *og = out + (b * H + g * G) * D;
-#if defined(__AVX512BF16__)
-            if (D % 32 == 0 && D <= 256) {
-                attend_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap, NULL);
-                continue;
-            }
-#endif
-            switch (D) {
-            case 64:
-                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
-                break;
-            case 128:
-                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
-                break;
-            default:
-                attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
-            }
+            attend_item(q, out + (b * H + g * G) * D, k_cache, v_cache, block_tables, bt_stride, seq_lens, b, g, H, G,
+                        D, row, block_size, window, scale, softcap);
         }
     }
 }
 
-/* One (sequence b, KV head g) item of paged_decode_attention_bf16's portable form (the cache already
+/* One (sequence b, KV head g) item of paged_decode_attention_bf16's unsplit form (the cache already
  * written): the G query heads' outputs, stored under `commit` (cpu_team.h). */
 void decode_attention_item(const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache,
                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t b, int64_t g,
                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
                            float softcap, chunk_commit *commit) {
-    const int64_t G = H / KVH, row = KVH * D, len = seq_lens[b];
-    const int64_t start = (window > 0 && len > window) ? len - window : 0;
-    const int32_t *table = block_tables + b * bt_stride;
-    const bf16 *qg = q + (b * H + g * G) * D;
+    const int64_t G = H / KVH;
     bf16 kept[G * D];
-    switch (D) {
-    case 64:
-        attend_kv_head(qg, kept, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
-        break;
-    case 128:
-        attend_kv_head(qg, kept, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
-        break;
-    default:
-        attend_kv_head(qg, kept, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
-    }
+    attend_item(q, kept, k_cache, v_cache, block_tables, bt_stride, seq_lens, b, g, H, G, D, KVH * D, block_size, window,
+                scale, softcap);
     if (!chunk_commit_begin(commit)) return;
     memcpy(out + (b * H + g * G) * D, kept, (size_t)(G * D) * sizeof(bf16));
     chunk_commit_end(commit);

@@ -206,14 +206,15 @@ static inline void shared_chunks_init(shared_chunks *w, int64_t units, int64_t p
     w->ranges = nt;
 }
 
-/* The next chunk index from range r: its front (front != 0) or its back; -1 when it is empty. */
-static inline int64_t shared_chunks_claim(shared_chunks *w, int64_t r, int front) {
-    uint64_t cur = __atomic_load_n(&w->range[r], __ATOMIC_RELAXED);
+/* The next chunk index from a range word (next | end << 32): its front (front != 0) or its back; -1 when
+ * it is empty. */
+static inline int64_t range_claim(uint64_t *range, int front) {
+    uint64_t cur = __atomic_load_n(range, __ATOMIC_RELAXED);
     for (;;) {
         const uint64_t lo = cur & 0xFFFFFFFFu, hi = cur >> 32;
         if (lo >= hi) return -1;
         const uint64_t next = front ? (lo + 1) | (hi << 32) : lo | ((hi - 1) << 32);
-        if (__atomic_compare_exchange_n(&w->range[r], &cur, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        if (__atomic_compare_exchange_n(range, &cur, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             return (int64_t)(front ? lo : hi - 1);
     }
 }
@@ -228,7 +229,7 @@ static inline int64_t shared_chunks_claim_next(shared_chunks *w, int64_t *cursor
 #endif
     for (; *cursor < w->ranges; (*cursor)++) {
         const int64_t r = (t + *cursor) % w->ranges;
-        const int64_t c = shared_chunks_claim(w, r, *cursor == 0 && t < w->ranges);
+        const int64_t c = range_claim(&w->range[r], *cursor == 0 && t < w->ranges);
         if (c >= 0) return c;
     }
     return -1;

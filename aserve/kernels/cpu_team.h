@@ -109,18 +109,6 @@ static inline void team_chunk_stored(team *t, team_op *o, int64_t op) {
         __atomic_store_n(&t->op_done, op + 1, __ATOMIC_RELEASE);
 }
 
-/* The next chunk from range r (front or back), -1 when it is empty (as shared_chunks_claim). */
-static inline int64_t team_claim(team_op *o, int64_t r, int front) {
-    uint64_t cur = __atomic_load_n(&o->range[r], __ATOMIC_RELAXED);
-    for (;;) {
-        const uint64_t lo = cur & 0xFFFFFFFFu, hi = cur >> 32;
-        if (lo >= hi) return -1;
-        const uint64_t next = front ? (lo + 1) | (hi << 32) : lo | ((hi - 1) << 32);
-        if (__atomic_compare_exchange_n(&o->range[r], &cur, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            return (int64_t)(front ? lo : hi - 1);
-    }
-}
-
 /* Computes chunk c under `expect` (the state this thread won it in) and counts it if it stored. */
 static inline int64_t team_run_chunk(team *t, team_op *o, int64_t op, int64_t c, uint8_t expect, team_chunk_fn fn,
                                      const void *arg) {
@@ -158,7 +146,7 @@ static inline void team_parallel(team *t, int64_t op, int64_t me, int64_t chunks
     for (int64_t cursor = 0; cursor < t->threads; cursor++) {
         const int64_t r = (me + cursor) % t->threads;
         int64_t c;
-        while ((c = team_claim(o, r, cursor == 0)) >= 0) {
+        while ((c = range_claim(&o->range[r], cursor == 0)) >= 0) {
             uint8_t free_ = CHUNK_FREE;
             if (!__atomic_compare_exchange_n(o->state + c, &free_, CHUNK_CLAIMED, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
                 continue; /* taken over before this thread got to it */
