@@ -38,6 +38,28 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def trained_tiny_llama(tmp_path_factory) -> str:
+    """The tiny Llama trained on the Markov language (tests/support/trained_tiny.py), trained once per test
+    run: the pytest-xdist workers share one copy (the first to take the lock trains it). Read-only: a test
+    that changes a checkpoint copies the folder first."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's base folder, above every worker's own
+    folder = shared / "trained_tiny_llama"
+    with FileLock(str(shared / "trained_tiny_llama.lock")):
+        if not (folder / "config.json").exists():
+            from tests.support.trained_tiny import save_trained_tiny_llama
+
+            staging = shared / "trained_tiny_llama.partial"
+            staging.mkdir(exist_ok=True)
+            save_trained_tiny_llama(staging)
+            staging.rename(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_llama")
     save_tiny_hf(path, "llama", seed=1234, perturb=False, tie_word_embeddings=True, **GREEDY_STABLE)

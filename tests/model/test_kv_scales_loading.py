@@ -22,14 +22,14 @@ from tests.model._paged_batch import PagedBatch
 from tests.model._parity import ParityReport, parity
 from tests.model._tiny_models import load_ours
 from tests.support.tiny_models import GREEDY_STABLE, save_tiny_hf
-from tests.support.trained_tiny import markov_sequences, save_trained_tiny_llama
+from tests.support.trained_tiny import markov_sequences
 
 PROMPT_LEN, LENGTH = 8, 48
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    return Path(save_trained_tiny_llama(tmp_path_factory.mktemp("trained_tiny_llama")))
+def trained(trained_tiny_llama) -> Path:
+    return Path(trained_tiny_llama)
 
 
 @pytest.fixture(scope="module")

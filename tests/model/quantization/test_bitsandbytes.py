@@ -17,7 +17,7 @@ from aserve.model.quantization.assign import expert_layers, linear_layers
 from tests.model._parity import greedy_generate, teacher_forced_parity
 from tests.model._tiny_models import load_ours, run_schedule
 from tests.model.quantization._bnb_checkpoints import build_bnb, float_copy
-from tests.support.trained_tiny import markov_sequences, save_trained_tiny_llama
+from tests.support.trained_tiny import markov_sequences
 
 bnb = pytest.importorskip("bitsandbytes")
 bnbf = pytest.importorskip("bitsandbytes.functional")
@@ -29,8 +29,8 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    return Path(save_trained_tiny_llama(tmp_path_factory.mktemp("trained_llama")))
+def trained(trained_tiny_llama) -> Path:
+    return Path(trained_tiny_llama)
 
 
 def _is_projection(name: str) -> bool:
