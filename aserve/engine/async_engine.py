@@ -125,7 +125,7 @@ class AsyncEngine:
         # Multi-step decode: deliver each decode step's tokens while the call runs (else at its end).
         self.stream_decode_steps = engine.config.scheduler.multi_step_stream_outputs
         # The executor runs one call at a time: a step, or an adapter load between steps (FIFO).
-        self._executor_lock = anyio.Lock()
+        self._executor_lock = anyio.Lock(fast_acquire=True)  # taken twice a step: no yield when free
         self._submits_held = 0  # callers waiting for the steps in flight to drain (`_between_steps`)
         self._asleep: set[str] = set()  # sleep mode: the parts (SLEEP_TAGS) not woken up yet
         self._sleeps_pending = 0  # /sleep calls waiting for a wake-up in progress: requests stay out

@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import threading
 import traceback
 from collections.abc import Callable
@@ -110,6 +111,7 @@ class ProcessExecutor:
         self.output_rank = output_rank(config)
         self._conns: list = []
         self._procs: list = []
+        self._pollers: dict[int, select.poll] = {}  # _has_data's, by rank
         self._dead: str | None = None
         self._outbox: queue.Queue[bytes | None] | None = None  # submit's messages (sender thread)
         self._sender: threading.Thread | None = None
@@ -146,7 +148,11 @@ class ProcessExecutor:
         replies: dict[int, bytes] = {}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
         while pending:
-            ready = wait([self._conns[r] for r in pending] + list(sentinels))
+            only = next(iter(pending)) if len(pending) == 1 else None
+            if only is not None and self._has_data(only):  # the reply is there (the event loop waited for it)
+                ready = [self._conns[only]]
+            else:
+                ready = wait([self._conns[r] for r in pending] + list(sentinels))
             for rank in sorted(pending):
                 conn = self._conns[rank]
                 if conn in ready or conn.poll():
@@ -164,6 +170,15 @@ class ProcessExecutor:
                 if rank is not None and not self._conns[rank].poll():  # died without a last word
                     self._fail(f"{self._who(rank)} process died (exit code {self._exit_code(rank)})")
         return [replies[r] for r in range(len(self._conns))] if every else replies[self.output_rank]
+
+    def _has_data(self, rank: int) -> bool:
+        """Whether rank's pipe is readable now: one poll(2) on a poller kept per pipe (Connection.poll builds
+        a selector per call)."""
+        poller = self._pollers.get(rank)
+        if poller is None:
+            poller = self._pollers[rank] = select.poll()
+            poller.register(self._conns[rank].fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def _recv_one(self, rank: int) -> bytes:
         try:
@@ -295,6 +310,7 @@ class ProcessExecutor:
                 pass
             conn.close()
         self._conns = []
+        self._pollers = {}
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():

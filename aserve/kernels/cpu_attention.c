@@ -8,7 +8,6 @@
 #include "cpu_team.h"
 
 #define KEY_CHUNK 64
-#define MAX_GROUP 16
 
 /* One (sequence, KV head) of paged decode attention: the G query heads that share KV head g. D is a
  * compile-time constant where this is inlined for a common head size (the inner loops unroll). */
@@ -248,30 +247,6 @@ static inline void attend_dot(const bf16 *q, bf16 *out, const bf16 *k_cache, con
                            partial);
 }
 
-/* out [G, D] from the states of S splits of one KV head's keys (each [G * D acc, G max, G sum]). */
-static void merge_splits(const float *parts, int64_t S, int64_t G, int64_t D, bf16 *out) {
-    const int64_t width = G * D + 2 * G;
-    for (int64_t h = 0; h < G; h++) {
-        float mx = -INFINITY, total = 0.0f, w[S];
-        for (int64_t s = 0; s < S; s++) {
-            const float ms = parts[s * width + G * D + h];
-            mx = ms > mx ? ms : mx;
-        }
-        for (int64_t s = 0; s < S; s++) {
-            const float *p = parts + s * width;
-            w[s] = p[G * D + G + h] > 0.0f ? expf(p[G * D + h] - mx) : 0.0f;
-            total += p[G * D + G + h] * w[s];
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t i = 0; i < D; i++) {
-            float v = 0.0f;
-            for (int64_t s = 0; s < S; s++)
-                if (w[s] > 0.0f) v += parts[s * width + h * D + i] * w[s]; /* an empty split's acc is unset */
-            out[h * D + i] = f32_to_bf16(v * inv);
-        }
-    }
-}
-
 #define SPLIT_MIN_KEYS 128           /* keys per split at least (a multiple of DOT_CHUNK) */
 #define SPLIT_MAX_FLOATS (64 * 1024) /* the splits' states live on the caller's stack */
 
@@ -309,6 +284,11 @@ static void attend_item(const bf16 *q, bf16 *og, const bf16 *k_cache, const bf16
 #if defined(__AVX512BF16__)
     if (D % 32 == 0 && D <= 256) {
         attend_dot(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap, NULL);
+        return;
+    }
+#elif ASERVE_ATTEND_AVX2
+    if (D % 8 == 0) {
+        attend_avx2(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap, NULL);
         return;
     }
 #endif
@@ -368,6 +348,22 @@ void paged_decode_attention_bf16(const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *
                     attend_dot(q + (b * H + g * G) * D, NULL, k_cache, v_cache, block_tables + b * bt_stride, lo,
                                hi, row, g, G, D, block_size, scale, softcap, part);
                 }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t g = 0; g < KVH; g++)
+                merge_splits(parts + (b * KVH + g) * S * width, S, G, D, out + (b * H + g * G) * D);
+        return;
+    }
+#elif ASERVE_ATTEND_AVX2
+    const int64_t S = D % 8 == 0 ? attend_avx2_splits(seq_lens, B, KVH, window) : 1;
+    if (S > 1) { /* split-KV: (sequence, run of keys, KV head) items, then merged (as the team's step does) */
+        const int64_t width = G * D + 2 * G;
+        float parts[B * KVH * S * width];
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t c = 0; c < B * S * KVH; c++) {
+            const int64_t b = c / (S * KVH), sp = c / KVH % S, g = c % KVH;
+            attend_avx2_split(q, k_cache, v_cache, block_tables, bt_stride, seq_lens, b, sp, S, g, H, KVH, D,
+                              block_size, window, scale, softcap, parts + ((b * KVH + g) * S + sp) * width);
+        }
         for (int64_t b = 0; b < B; b++)
             for (int64_t g = 0; g < KVH; g++)
                 merge_splits(parts + (b * KVH + g) * S * width, S, G, D, out + (b * H + g * G) * D);

@@ -28,6 +28,15 @@
 #define ASERVE_PACKED_AVX2 0
 #endif
 
+/* Decode attention's AVX2 + FMA form (cpu_attention_avx2.c), for CPUs without AVX512. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define ASERVE_ATTEND_AVX2 1
+#else
+#define ASERVE_ATTEND_AVX2 0
+#endif
+
+#define MAX_GROUP 16 /* query heads per KV head, at most (cpu_ops.py checks) */
+
 typedef uint16_t bf16;
 
 #if defined(__AVX512F__)
@@ -106,6 +115,51 @@ static inline void key_slots(const int32_t *table, int64_t c0, int64_t n, int64_
         }
     }
 }
+
+/* out [G, D] from the states of S splits of one KV head's keys (each [G * D acc, G max, G sum]). */
+static inline void merge_splits(const float *parts, int64_t S, int64_t G, int64_t D, bf16 *out) {
+    const int64_t width = G * D + 2 * G;
+    for (int64_t h = 0; h < G; h++) {
+        float mx = -INFINITY, total = 0.0f, w[S];
+        for (int64_t s = 0; s < S; s++) {
+            const float ms = parts[s * width + G * D + h];
+            mx = ms > mx ? ms : mx;
+        }
+        for (int64_t s = 0; s < S; s++) {
+            const float *p = parts + s * width;
+            w[s] = p[G * D + G + h] > 0.0f ? expf(p[G * D + h] - mx) : 0.0f;
+            total += p[G * D + G + h] * w[s];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t i = 0; i < D; i++) {
+            float v = 0.0f;
+            for (int64_t s = 0; s < S; s++)
+                if (w[s] > 0.0f) v += parts[s * width + h * D + i] * w[s]; /* an empty split's acc is unset */
+            out[h * D + i] = f32_to_bf16(v * inv);
+        }
+    }
+}
+
+#define ATTEND_SPLIT_ITEMS 16    /* split decode attention (AVX2 form): fewer (sequence, KV head) pairs */
+#define ATTEND_SPLIT_MIN_KEYS 128 /* keys per run, at least */
+#if ASERVE_ATTEND_AVX2
+/* The G query heads q [G, D] (sharing KV head g) attended over keys [start, len) of the sequence whose blocks
+ * are `table`, into out [G, D]; with `partial`, the unnormalized state [G * D sums, G maxima, G totals]
+ * instead (cpu_attention_avx2.c). D % 8 == 0. */
+void attend_avx2(const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
+                 int64_t start, int64_t len, int64_t row, int64_t g, int64_t G, int64_t D, int64_t block_size,
+                 float scale, float softcap, float *partial);
+/* Runs of keys each sequence's decode attention is split into on this form: 1 unless the batch has fewer
+ * than ATTEND_SPLIT_ITEMS (sequence, KV head) pairs and a sequence has keys for two runs of
+ * ATTEND_SPLIT_MIN_KEYS. The same for any thread count, so the results are too. */
+int64_t attend_avx2_splits(const int32_t *seq_lens, int64_t B, int64_t KVH, int64_t window);
+/* Split sp of S of sequence b's keys for KV head g (q [B, H, D]) into part [G * D + 2 G] (attend_avx2's
+ * partial form; an empty run gives maxima -inf and totals 0). */
+void attend_avx2_split(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *seq_lens, int64_t b, int64_t sp, int64_t S, int64_t g,
+                       int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t window, float scale,
+                       float softcap, float *part);
+#endif
 
 #if defined(__AVX512F__)
 /* exp(x) on 16 lanes (fast_exp's polynomial); lanes below -87, -inf included, give 0. */

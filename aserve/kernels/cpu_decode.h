@@ -65,12 +65,13 @@ int64_t decode_moe_block(const decode_moe *moe, const bf16 *x, int64_t B, int64_
 /* One thread's walk through a decode step (cpu_decode_team.c). team NULL: the kernels run one after
  * another, each in its own OpenMP region (the thread is the only one walking); else every thread of the
  * team walks the same ops, numbered in `op`, sharing the scratch: xf [rows, widest K] fp32 for the AVX2
- * bf16 product's x, rows for the AVX2 4-bit product's. */
+ * bf16 product's x, rows for the AVX2 4-bit product's, parts for split decode attention's runs. */
 typedef struct {
     team *team;
     int64_t op, me;
     float *xf;
     int4_rows rows;
+    float *parts; /* split decode attention's states (step_attention) */
 } step_worker;
 
 /* 1 when this thread runs the next serial op (then step_serial_done after it); always 1 without a team. */

@@ -190,7 +190,7 @@ static int64_t run_layers(step_worker *sw, const decode_layer *layers, int64_t n
     return cur | (hidden_f32 << 1);
 }
 
-#define TEAM_OPS_PER_LAYER 24 /* at most 18 (a Gemma layer with q / k norms) */
+#define TEAM_OPS_PER_LAYER 24 /* at most 19 (a Gemma layer with q / k norms and split attention) */
 
 /* The widest input any projection takes (the scratch rows' width) and the most chunks any op cuts into;
  * 0 when a layer keeps the step off a team (an MoE block; on AVX512-BF16 builds, whose kernels have no
@@ -203,6 +203,9 @@ static int64_t team_sizes(const decode_layer *layers, int64_t num_layers, const 
 #else
     *max_k = c->H > c->NH * c->D ? c->H : c->NH * c->D;
     *max_chunks = c->B * c->KVH;
+#if ASERVE_ATTEND_AVX2 /* split decode attention: B KVH S < ATTEND_SPLIT_ITEMS + B KVH items (attend_avx2_splits) */
+    if (c->B * c->KVH < ATTEND_SPLIT_ITEMS) *max_chunks = 2 * ATTEND_SPLIT_ITEMS;
+#endif
     for (int64_t l = 0; l < num_layers; l++) {
         const decode_layer *L = layers + l;
         if (L->moe) return 0;
@@ -241,7 +244,7 @@ int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const
     const step_ctx c = {B, H, NH, KVH, D, block_size, rot_half, bt_stride, eps, cos_sin, local_cos_sin,
                         block_tables, seq_lens, slots, normed, qkv, q_rot, k_rot, attn, act, q_normed, k_normed,
                         attn_normed, o_out, gate_up};
-    step_worker alone = {NULL, 0, 0, NULL, {NULL, NULL, NULL, NULL}};
+    step_worker alone = {NULL, 0, 0, NULL, {NULL, NULL, NULL, NULL}, NULL};
     const int64_t threads = team_threads;
     int64_t max_k = 0, max_chunks = 0;
     if (threads < 2 || threads > TEAM_MAX_THREADS ||
@@ -251,7 +254,8 @@ int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const
     const size_t cells = (size_t)(B * max_k), round = 64;
     const size_t xf_bytes = (cells * sizeof(float) + round - 1) / round * round, codes = (cells + round - 1) / round * round;
     const size_t sums = ((cells / 32 + 1) * sizeof(float) + round - 1) / round * round;
-    char *scratch = aligned_alloc(round, xf_bytes + 2 * codes + 2 * sums);
+    const size_t parts = (size_t)(2 * ATTEND_SPLIT_ITEMS * (NH * D / KVH + 2 * NH / KVH)) * sizeof(float);
+    char *scratch = aligned_alloc(round, xf_bytes + 2 * codes + 2 * sums + parts);
     if (!scratch || team_init(&t, num_layers * TEAM_OPS_PER_LAYER + 4, max_chunks, threads)) {
         free(scratch);
         return -2;
@@ -262,7 +266,7 @@ int64_t decode_layers_bf16(const decode_layer *layers, int64_t num_layers, const
     int64_t result = 0;
 #pragma omp parallel num_threads(threads)
     {
-        step_worker w = {&t, 0, omp_get_thread_num(), xf, rows};
+        step_worker w = {&t, 0, omp_get_thread_num(), xf, rows, (float *)(scratch + xf_bytes + 2 * codes + 2 * sums)};
         const int64_t r = run_layers(&w, layers, num_layers, embedded, hidden, residual0, residual1, &c);
         if (w.me == 0) result = r;
     }

@@ -67,6 +67,8 @@ typedef struct {
     const int32_t *block_tables, *seq_lens;
     int64_t bt_stride, H, KVH, D, block_size, window;
     float scale, softcap;
+    int64_t splits; /* runs of each sequence's keys (1: none) */
+    float *parts;   /* [B, KVH, splits, G * D + 2 G]: the runs' states (the step's scratch) */
 } attention_op;
 
 static void attention_chunk(const void *arg, int64_t chunk, chunk_commit *commit) {
@@ -75,6 +77,32 @@ static void attention_chunk(const void *arg, int64_t chunk, chunk_commit *commit
                           chunk / a->KVH, chunk % a->KVH, a->H, a->KVH, a->D, a->block_size, a->window, a->scale,
                           a->softcap, commit);
 }
+
+#if ASERVE_ATTEND_AVX2
+/* Chunk (b, sp, g) (in that order: a thread's range holds whole runs of keys, every KV head in turn). */
+static void attention_split_chunk(const void *arg, int64_t chunk, chunk_commit *commit) {
+    const attention_op *a = arg;
+    const int64_t S = a->splits, G = a->H / a->KVH, width = G * a->D + 2 * G;
+    const int64_t b = chunk / (S * a->KVH), sp = chunk / a->KVH % S, g = chunk % a->KVH;
+    float part[width];
+    attend_avx2_split(a->q, a->k_cache, a->v_cache, a->block_tables, a->bt_stride, a->seq_lens, b, sp, S, g, a->H,
+                      a->KVH, a->D, a->block_size, a->window, a->scale, a->softcap, part);
+    if (!chunk_commit_begin(commit)) return;
+    memcpy(a->parts + ((b * a->KVH + g) * S + sp) * width, part, (size_t)width * sizeof(float));
+    chunk_commit_end(commit);
+}
+
+/* Chunk (b, g): its runs' states merged into the output's G heads. */
+static void attention_merge_chunk(const void *arg, int64_t chunk, chunk_commit *commit) {
+    const attention_op *a = arg;
+    const int64_t G = a->H / a->KVH, width = G * a->D + 2 * G, b = chunk / a->KVH, g = chunk % a->KVH;
+    bf16 kept[G * a->D];
+    merge_splits(a->parts + chunk * a->splits * width, a->splits, G, a->D, kept);
+    if (!chunk_commit_begin(commit)) return;
+    memcpy(a->out + (b * a->H + g * G) * a->D, kept, (size_t)(G * a->D) * sizeof(bf16));
+    chunk_commit_end(commit);
+}
+#endif
 
 void step_attention(step_worker *w, const bf16 *q, bf16 *out, bf16 *k_cache, bf16 *v_cache,
                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, const int64_t *slots,
@@ -95,7 +123,17 @@ void step_attention(step_worker *w, const bf16 *q, bf16 *out, bf16 *k_cache, bf1
         step_serial_done(w);
     }
     const attention_op a = {q, out, k_cache, v_cache, block_tables, seq_lens, bt_stride, H, KVH, D, block_size,
-                            window, scale, softcap};
+                            window, scale, softcap, 1, w->parts};
+#if ASERVE_ATTEND_AVX2
+    const int64_t S = D % 8 == 0 ? attend_avx2_splits(seq_lens, B, KVH, window) : 1;
+    if (S > 1) { /* (sequence, run of keys, KV head) items into the step's parts, then each pair merged */
+        attention_op split = a;
+        split.splits = S;
+        team_parallel(w->team, w->op++, w->me, B * S * KVH, attention_split_chunk, &split);
+        team_parallel(w->team, w->op++, w->me, B * KVH, attention_merge_chunk, &split);
+        return;
+    }
+#endif
     team_parallel(w->team, w->op++, w->me, B * KVH, attention_chunk, &a);
 }
 

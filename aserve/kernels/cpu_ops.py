@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("cpu_ops.c", "cpu_matmul.c", "cpu_matmul_avx2.c", "cpu_attention.c",
-                                            "cpu_prefill_attention.c", "cpu_decode_step.c", "cpu_decode_moe.c",
-                                            "cpu_decode_team.c", "cpu_matmul_q8.c"))
+                                            "cpu_attention_avx2.c", "cpu_prefill_attention.c", "cpu_decode_step.c",
+                                            "cpu_decode_moe.c", "cpu_decode_team.c", "cpu_matmul_q8.c"))
 # (all include cpu_common.h)
 _HEADERS = (_HERE / "cpu_common.h", _HERE / "cpu_decode.h", _HERE / "cpu_team.h")
 
@@ -131,6 +131,10 @@ class CpuKernels:
         # "avx512_bf16" (bf16 dot products), "avx2" (fp32 FMAs on exactly widened weights) or None (absent).
         self.packed_isa = {2: "avx512_bf16", 1: "avx2"}.get(int(library.packed_matmul_isa()))
         self.packed_matmuls = self.packed_isa is not None
+        # The form of decode attention's items: "avx512_bf16" or "avx2" (both split a small batch's keys into
+        # runs merged after; AVX2's split does not depend on the thread count), or None (portable loops).
+        library.decode_attention_form.restype = ctypes.c_int64
+        self.attention_isa = {2: "avx512_bf16", 1: "avx2"}.get(int(library.decode_attention_form()))
 
     @staticmethod
     def accepts_rows(x: torch.Tensor) -> bool:

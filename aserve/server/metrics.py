@@ -78,6 +78,7 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self.prefix = prefix
         self.engine = "0"  # the `engine` label: which data-parallel replica (see for_engine)
+        self._children: dict[tuple, Any] = {}  # _label's children, per view
         labels = ["model_name", "engine"]
         reg = self.registry
         tok_buckets = token_buckets(max(max_model_len, 1))
@@ -195,6 +196,7 @@ class PrometheusStatLogger:
         `engine="index"`, as vLLM labels them; LoRA and speculative-decoding series sum over replicas."""
         view = copy.copy(self)
         view.engine = str(index)
+        view._children = {}
         view._expose()
         return view
 
@@ -218,7 +220,13 @@ class PrometheusStatLogger:
         self._label(self.request_received).inc()
 
     def _label(self, metric: Any, **extra: str) -> Any:
-        return metric.labels(model_name=self.model_name, engine=self.engine, **extra)
+        """`metric`'s child for this view's labels (and `extra`), looked up once (`labels()` validates and
+        locks on every call: a dozen calls a step)."""
+        key = (metric, *extra.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(model_name=self.model_name, engine=self.engine, **extra)
+        return child
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         label = self._label

@@ -300,10 +300,11 @@ def test_paged_decode_attention(kernels, heads, kv_heads, head_dim, window):
     (16, 1, 96, [260], None, None)])  # a generic head size
 def test_paged_decode_attention_splits_a_small_batchs_keys_across_threads(kernels, heads, kv_heads, head_dim,
                                                                          lengths, window, softcap):
-    """Fewer (sequence, KV head) pairs than threads: runs of keys on every thread, merged by their
-    softmax states (checked with 4 threads, whatever the machine has)."""
-    if not kernels.native_bf16_dot:
-        pytest.skip("the split runs on the bf16 dot-product path")
+    """A small batch with many keys: runs of keys on every thread, merged by their softmax states (checked
+    with 4 threads, whatever the machine has). The AVX2 form splits the same way on any thread count (its
+    result is bitwise the one-thread one); the bf16 dot-product form splits over the threads."""
+    if kernels.attention_isa is None:
+        pytest.skip("the portable decode attention does not split")
     gen = torch.Generator().manual_seed(29)
     block_size = 16
     per_seq = -(-max(lengths) // block_size)
@@ -326,6 +327,8 @@ def test_paged_decode_attention_splits_a_small_batchs_keys_across_threads(kernel
     want = _reference_decode(q, kv_cache, block_tables, seq_lens, head_dim**-0.5, window, softcap)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got.float(), single.float(), atol=8e-3, rtol=8e-3)
+    if kernels.attention_isa == "avx2":
+        assert torch.equal(got, single)
 
 
 @pytest.mark.parametrize("softcap", [0.3, 2.0])

@@ -33,11 +33,11 @@ FAMILIES = {
 
 
 def _outputs(path: str, monkeypatch, native: bool, max_tokens: list[int], team_threads: int | None = None,
-             **kwargs) -> tuple[list, int]:
+             prompts: list[list[int]] = PROMPTS, max_model_len: int = 128, **kwargs) -> tuple[list, int]:
     """(each request's (tokens, logprobs), native step calls): greedy, 3 logprobs per token; requests
     end at different lengths, so the batch shrinks. `team_threads`: the native step's team (None: as built)."""
     monkeypatch.setenv("ASERVE_CPU_DECODE_STEP", "1" if native else "0")
-    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=128, cpu_kvcache_space=0.02,
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=max_model_len, cpu_kvcache_space=0.02,
               block_size=8, **kwargs)
     runner = llm.engine.core._executor.runner
     calls = [0]
@@ -56,7 +56,7 @@ def _outputs(path: str, monkeypatch, native: bool, max_tokens: list[int], team_t
         assert runner.cpu_step is None
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3, detokenize=False)
               for n in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0]
 
 
@@ -87,6 +87,20 @@ def test_a_team_of_threads_equals_the_layers_bitwise(tmp_path, monkeypatch, fami
                              quantization=quantization)
     assert native == layers
     assert calls >= max(lengths) - 1
+
+
+@pytest.mark.skipif(kernels is None or kernels.attention_isa != "avx2", reason="the AVX2 decode attention splits")
+def test_a_team_splits_long_sequences_keys_as_the_layers_kernel_does(tmp_path, monkeypatch):
+    """A small batch with 256+ keys a sequence: decode attention splits each sequence's keys into runs merged
+    after (kernels/cpu_attention_avx2.c); the team's step (3 threads) splits them as the layers' kernel
+    does: the same bits."""
+    save_tiny_hf(tmp_path, "llama", seed=5, perturb=True, **GREEDY_STABLE)
+    prompts = [[(11 * i + 5) % 500 + 3 for i in range(n)] for n in (300, 270)]
+    layers, _ = _outputs(str(tmp_path), monkeypatch, False, [8, 5], prompts=prompts, max_model_len=512)
+    native, calls = _outputs(str(tmp_path), monkeypatch, True, [8, 5], team_threads=3, prompts=prompts,
+                             max_model_len=512)
+    assert native == layers
+    assert calls >= 7
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "opt_post_ln"])
