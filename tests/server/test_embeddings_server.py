@@ -234,7 +234,9 @@ def test_admission_and_disconnect_cover_every_input(server):
         while len(engine.streams) < MAX_POOLING_INPUTS and time.monotonic() < deadline:
             time.sleep(0.01)
         if len(engine.streams) == MAX_POOLING_INPUTS:  # else it finished tokenizing too late: skip this part
-            r = httpx.post(f"{address.url}/v1/embeddings", json={"input": ["a"] * 60}, timeout=30)
+            # 1000 inputs where 50 fit: admitting them would take 950 of the first request's inputs done by
+            # then (minutes of work; 60 was once admitted after the engine's first steps finished ten)
+            r = httpx.post(f"{address.url}/v1/embeddings", json={"input": ["a"] * 1000}, timeout=30)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full" and "Retry-After" in r.headers
             assert len(engine.streams) == MAX_POOLING_INPUTS  # none of the refused request's inputs stayed
         big.result()
