@@ -103,10 +103,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
             }
         }
     }
-    for (int64_t h = 0; h < G; h++) {
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
-    }
+    finish_heads(acc, m, l, G, D, out, NULL);
 }
 
 #if defined(__AVX512BF16__)
@@ -220,31 +217,15 @@ static inline __attribute__((always_inline)) void attend_kv_head_dot(
             }
         }
     }
-    if (partial) { /* a split's unnormalized state, merged by merge_splits */
-        memcpy(partial, acc, (size_t)(G * D) * sizeof(float));
-        memcpy(partial + G * D, m, (size_t)G * sizeof(float));
-        memcpy(partial + G * D + G, l, (size_t)G * sizeof(float));
-        return;
-    }
-    for (int64_t h = 0; h < G; h++) {
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
-    }
+    finish_heads(acc, m, l, G, D, out, partial);
 }
 
 /* attend_kv_head_dot with a compile-time head size where it is a common one (the inner loops unroll). */
 static inline void attend_dot(const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache,
                               const int32_t *table, int64_t start, int64_t len, int64_t row, int64_t g, int64_t G,
                               int64_t D, int64_t block_size, float scale, float softcap, float *partial) {
-    if (D == 64)
-        attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap,
-                           partial);
-    else if (D == 128)
-        attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap,
-                           partial);
-    else
-        attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap,
-                           partial);
+    WITH_HEAD_SIZE(D, attend_kv_head_dot(q, out, k_cache, v_cache, table, start, len, row, g, G, HEAD_D, block_size,
+                                         scale, softcap, partial));
 }
 
 #define SPLIT_MIN_KEYS 128           /* keys per split at least (a multiple of DOT_CHUNK) */
@@ -292,16 +273,8 @@ static void attend_item(const bf16 *q, bf16 *og, const bf16 *k_cache, const bf16
         return;
     }
 #endif
-    switch (D) {
-    case 64:
-        attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap);
-        break;
-    case 128:
-        attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap);
-        break;
-    default:
-        attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap);
-    }
+    WITH_HEAD_SIZE(D, attend_kv_head(qg, og, k_cache, v_cache, table, start, len, row, g, G, HEAD_D, block_size, scale,
+                                     softcap));
 }
 
 /* Decode attention over a paged bf16 KV cache, reading the blocks in place.

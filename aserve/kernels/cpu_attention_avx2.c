@@ -153,30 +153,14 @@ static inline __attribute__((always_inline)) void attend_kv_head_avx2(
             }
         }
     }
-    if (partial) { /* a split's unnormalized state: [G * D sums, G maxima, G totals] */
-        memcpy(partial, acc, (size_t)(G * D) * sizeof(float));
-        memcpy(partial + G * D, m, (size_t)G * sizeof(float));
-        memcpy(partial + G * D + G, l, (size_t)G * sizeof(float));
-        return;
-    }
-    for (int64_t h = 0; h < G; h++) {
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
-    }
+    finish_heads(acc, m, l, G, D, out, partial);
 }
 
 void attend_avx2(const bf16 *q, bf16 *out, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
                  int64_t start, int64_t len, int64_t row, int64_t g, int64_t G, int64_t D, int64_t block_size,
                  float scale, float softcap, float *partial) {
-    if (D == 64)
-        attend_kv_head_avx2(q, out, k_cache, v_cache, table, start, len, row, g, G, 64, block_size, scale, softcap,
-                            partial);
-    else if (D == 128)
-        attend_kv_head_avx2(q, out, k_cache, v_cache, table, start, len, row, g, G, 128, block_size, scale, softcap,
-                            partial);
-    else
-        attend_kv_head_avx2(q, out, k_cache, v_cache, table, start, len, row, g, G, D, block_size, scale, softcap,
-                            partial);
+    WITH_HEAD_SIZE(D, attend_kv_head_avx2(q, out, k_cache, v_cache, table, start, len, row, g, G, HEAD_D, block_size,
+                                          scale, softcap, partial));
 }
 
 int64_t attend_avx2_splits(const int32_t *seq_lens, int64_t B, int64_t KVH, int64_t window) {

@@ -116,6 +116,39 @@ static inline void key_slots(const int32_t *table, int64_t c0, int64_t n, int64_
     }
 }
 
+/* The end of one KV head's decode attention over its keys: the G heads' sums acc [G, D], running maxima m and
+ * totals l either kept as a split's state in partial [G * D sums, G maxima, G totals] (merged by merge_splits),
+ * or, partial NULL, normalized into out [G, D]. */
+static inline void finish_heads(const float *acc, const float *m, const float *l, int64_t G, int64_t D, bf16 *out,
+                                float *partial) {
+    if (partial) {
+        memcpy(partial, acc, (size_t)(G * D) * sizeof(float));
+        memcpy(partial + G * D, m, (size_t)G * sizeof(float));
+        memcpy(partial + G * D + G, l, (size_t)G * sizeof(float));
+        return;
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t i = 0; i < D; i++) out[h * D + i] = f32_to_bf16(acc[h * D + i] * inv);
+    }
+}
+
+/* Runs CALL with HEAD_D a compile-time 64 or 128 where D is one of them (an always-inline callee's loops over
+ * the head unroll), else D. */
+#define WITH_HEAD_SIZE(D, CALL)                                                                                     \
+    do {                                                                                                            \
+        if ((D) == 64) {                                                                                            \
+            const int64_t HEAD_D = 64;                                                                              \
+            CALL;                                                                                                   \
+        } else if ((D) == 128) {                                                                                    \
+            const int64_t HEAD_D = 128;                                                                             \
+            CALL;                                                                                                   \
+        } else {                                                                                                    \
+            const int64_t HEAD_D = (D);                                                                             \
+            CALL;                                                                                                   \
+        }                                                                                                           \
+    } while (0)
+
 /* out [G, D] from the states of S splits of one KV head's keys (each [G * D acc, G max, G sum]). */
 static inline void merge_splits(const float *parts, int64_t S, int64_t G, int64_t D, bf16 *out) {
     const int64_t width = G * D + 2 * G;
