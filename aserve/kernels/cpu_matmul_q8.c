@@ -41,14 +41,16 @@ static void quantize_row_int16(const void *x, int64_t x_f32, int64_t K, int16_t 
 }
 
 /* One quantized row against the 32 columns of packed block cb: 4 vectors of 8 columns, whose codes for a pair
- * of k are one 64-byte line (one sequential stream per block). */
-static inline void q8_row(const int16_t *xq, const float *xs, int64_t K, const int8_t *codes, const float *scales,
-                          int64_t cb, float *y) {
+ * of k are one 64-byte line (one sequential stream per block). With xb (one value per group of 32 of the row)
+ * it also stores yb[col] = sum_g scale_w[g][col] * xb[g] (screen_q8_bf16's error bound); NULL skips that. */
+static inline __attribute__((always_inline)) void q8_row(const int16_t *xq, const float *xs, int64_t K,
+                                                         const int8_t *codes, const float *scales, int64_t cb,
+                                                         float *y, const float *xb, float *yb) {
     const int64_t groups = K / Q8_GROUP;
     const int8_t *wp = codes + cb * K * 32;
     const float *sp = scales + cb * groups * 32;
-    __m256 total[4];
-    for (int64_t v = 0; v < 4; v++) total[v] = _mm256_setzero_ps();
+    __m256 total[4], bound[4];
+    for (int64_t v = 0; v < 4; v++) total[v] = bound[v] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256i dot[4];
         for (int64_t v = 0; v < 4; v++) dot[v] = _mm256_setzero_si256();
@@ -68,9 +70,12 @@ static inline void q8_row(const int16_t *xq, const float *xs, int64_t K, const i
         for (int64_t v = 0; v < 4; v++) {
             const __m256 sw = _mm256_loadu_ps(sp + g * 32 + v * 8);
             total[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(sw, sx), total[v]);
+            if (xb) bound[v] = _mm256_fmadd_ps(sw, _mm256_set1_ps(xb[g]), bound[v]);
         }
     }
     for (int64_t v = 0; v < 4; v++) _mm256_storeu_ps(y + 8 * v, total[v]);
+    if (xb)
+        for (int64_t v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, bound[v]);
 }
 #endif
 
@@ -98,7 +103,7 @@ int64_t linear_q8_f32(const void *x, int64_t x_stride, int64_t x_f32, const int8
         while (shared_chunks_next(&work, &cursor, &first, &count))
             for (int64_t cb = first; cb < first + count; cb++)
                 for (int64_t m = 0; m < M; m++)
-                    q8_row(xq + m * K, xs + m * groups, K, codes, scales, cb, y + m * y_stride + cb * 32);
+                    q8_row(xq + m * K, xs + m * groups, K, codes, scales, cb, y + m * y_stride + cb * 32, NULL, NULL);
     }
     free(xq);
     free(xs);
@@ -106,6 +111,84 @@ int64_t linear_q8_f32(const void *x, int64_t x_stride, int64_t x_f32, const int8
 #else
     (void)x; (void)x_stride; (void)x_f32; (void)codes; (void)scales; (void)y; (void)y_stride; (void)M; (void)N;
     (void)K;
+    return -1;
+#endif
+}
+
+/* Greedy screening of a tied or untied LM head: for each row m of x (bf16 [M, K], rows x_stride apart) the
+ * columns that can hold the row's largest logit, found on the 8-bit copy of the weight (codes, scales: the
+ * pack_q8 form of w quantized per 32 with scale max|w| / 127, so |w - scale * code| <= scale / 2).
+ *
+ * approx[c] is linear_q8's value; bound[c] >= |exact[c] - approx[c]| for the exact logit as any fp32 sum of the
+ * bf16 products computes it (the packed bf16 kernels included): per group of 32, the weight's rounding
+ * (scale / 2 * sum |x|), x's int16 rounding (|code| <= 127: 127 * 32 * scale * xscale / 2) and fp32 rounding
+ * of both sums (at most K - 1 and K / 32 + 3 roundings of terms up to 127.5 * scale * |x| each: (K + K / 32 + 8)
+ * * 2^-24 * 127.5 * scale * sum |x|), plus 2^-100 a group for flushed subnormals, the total raised by 2^-10 for the rounding of the bound
+ * itself. Every column with approx + bound >= max(approx - bound) is a candidate: the argmax of the
+ * exact logits is among them. cand [M, max_cand] gets each row's candidates in column order, counts [M] their
+ * number, or -1 where there are more than max_cand or none (a NaN); the caller computes those rows in full.
+ * work: [M, 2, N] fp32 scratch. Returns 0, -1 when this build has no AVX2, -2 when out of memory. */
+int64_t screen_q8_bf16(const bf16 *x, int64_t x_stride, const int8_t *codes, const float *scales, int64_t M,
+                       int64_t N, int64_t K, float *work, int32_t *cand, int64_t max_cand, int64_t *counts) {
+#if defined(__AVX2__)
+    const int64_t groups = K / Q8_GROUP, blocks = N / 32;
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
+    float *xs = malloc((size_t)(2 * M * groups) * sizeof(float));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -2;
+    }
+    float *xb = xs + M * groups;
+    const float sum_rounding = 0.5f + 127.5f * (float)(K + groups + 8) * 0x1p-24f;
+    for (int64_t m = 0; m < M; m++) {
+        const bf16 *row = x + m * x_stride;
+        quantize_row_int16(row, 0, K, xq + m * K, xs + m * groups);
+        for (int64_t g = 0; g < groups; g++) {
+            float l1 = 0.0f;
+            for (int64_t j = 0; j < Q8_GROUP; j++) l1 += fabsf(bf16_to_f32(row[g * Q8_GROUP + j]));
+            xb[m * groups + g] = (l1 * sum_rounding + 2032.0f * xs[m * groups + g] + 0x1p-100f) * (1.0f + 0x1p-10f);
+        }
+    }
+    shared_chunks work_chunks;
+    shared_chunks_init(&work_chunks, blocks, 4);
+#pragma omp parallel if (N * K > 65536)
+    {
+        int64_t cursor = 0, first, count;
+        while (shared_chunks_next(&work_chunks, &cursor, &first, &count))
+            for (int64_t cb = first; cb < first + count; cb++)
+                for (int64_t m = 0; m < M; m++) {
+                    float *approx = work + 2 * m * N;
+                    q8_row(xq + m * K, xs + m * groups, K, codes, scales, cb, approx + cb * 32, xb + m * groups,
+                           approx + N + cb * 32);
+                }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const float *approx = work + 2 * m * N, *bound = approx + N;
+        __m256 low = _mm256_set1_ps(-INFINITY); /* (a NaN lane is skipped: _mm256_max_ps keeps the second) */
+        for (int64_t c = 0; c < N; c += 8)
+            low = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(approx + c), _mm256_loadu_ps(bound + c)), low);
+        float lows[8], floor_ = -INFINITY;
+        _mm256_storeu_ps(lows, low);
+        for (int64_t l = 0; l < 8; l++) floor_ = fmaxf(floor_, lows[l]);
+        const __m256 floor_v = _mm256_set1_ps(floor_);
+        int64_t found = 0;
+        for (int64_t c = 0; c < N && found <= max_cand; c += 8) {
+            const __m256 high = _mm256_add_ps(_mm256_loadu_ps(approx + c), _mm256_loadu_ps(bound + c));
+            int mask = _mm256_movemask_ps(_mm256_cmp_ps(high, floor_v, _CMP_GE_OQ));
+            for (; mask; mask &= mask - 1) {
+                if (found < max_cand) cand[m * max_cand + found] = (int32_t)(c + __builtin_ctz((unsigned)mask));
+                found++;
+            }
+        }
+        counts[m] = (found == 0 || found > max_cand) ? -1 : found;
+    }
+    free(xq);
+    free(xs);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)codes; (void)scales; (void)M; (void)N; (void)K; (void)work; (void)cand;
+    (void)max_cand; (void)counts;
     return -1;
 #endif
 }

@@ -51,6 +51,7 @@ _SIGNATURES = {
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I),
     "linear_q8_f32": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I),
+    "screen_q8_bf16": (_P, _I, _P, _P, _I, _I, _I, _P, _P, _I, _P),
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
     "paged_prefill_attention_bf16": (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
 }
@@ -116,6 +117,8 @@ class CpuKernels:
         self._linear_int4.restype = ctypes.c_int64
         self._linear_q8 = library.linear_q8_f32
         self._linear_q8.restype = ctypes.c_int64
+        self._screen_q8 = library.screen_q8_bf16
+        self._screen_q8.restype = ctypes.c_int64
         library.linear_q8_available.restype = ctypes.c_int64
         self.q8_products = bool(library.linear_q8_available())  # `linear_q8` (AVX2 integer products)
         self.decode_layers = library.decode_layers_bf16  # typed by its caller (aserve/runner/cpu_decode_step.py)
@@ -315,6 +318,36 @@ class CpuKernels:
         if status:
             raise RuntimeError("linear_q8: this build has no AVX2" if status == -1 else "linear_q8: out of memory")
         return out
+
+    @staticmethod
+    def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`weight` [N, K] (K % 32 == 0) as int8 codes [N, K] and float32 scales [N, K/32] with `w ~ codes * scale`,
+        scale = max|w| / 127 per 32 (so |w - codes * scale| <= scale / 2, what `screen_q8` relies on)."""
+        n, k = weight.shape
+        groups = weight.float().view(n, k // 32, 32)
+        scales = groups.abs().amax(dim=-1) / 127
+        codes = torch.round(groups / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+        return codes.clamp_(-127, 127).to(torch.int8).view(n, k), scales
+
+    def screen_q8(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], max_candidates: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns that can hold each row's largest value of `x @ W^T` (x bf16 `[M, K]`, unit stride; packed:
+        `pack_q8(*quantize_q8(W))`), from the 8-bit product and a bound on its error (cpu_matmul_q8.c): int32
+        candidates `[M, max_candidates]` in column order and int64 counts `[M]`, -1 where a row has more than
+        `max_candidates` (or a non-finite input) and must be computed in full. Needs `q8_products`."""
+        codes, scales = packed
+        rows, k = x.shape
+        n = codes.shape[0] * 32
+        if x.stride(1) != 1 or codes.shape[1] * 2 != k or x.dtype != _BF16:
+            raise ValueError(f"screen_q8: x {tuple(x.shape)} {x.dtype} does not fit packed codes {tuple(codes.shape)}")
+        work = torch.empty((rows, 2, n), dtype=torch.float32)
+        cand = torch.empty((rows, max_candidates), dtype=torch.int32)
+        counts = torch.empty(rows, dtype=torch.int64)
+        status = self._screen_q8(x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), rows, n, k,
+                                 work.data_ptr(), cand.data_ptr(), max_candidates, counts.data_ptr())
+        if status:
+            raise RuntimeError("screen_q8: this build has no AVX2" if status == -1 else "screen_q8: out of memory")
+        return cand, counts
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, 2N]` (bf16 or float32, unit stride within a row) -> bf16 `silu(x[:, :N]) * x[:, N:]`."""

@@ -307,7 +307,13 @@ class ModelRunner:
         """Samples (or verifies `spec`'s drafts of) the step's sampling requests from their rows of
         `hidden`; the tokens are appended to each request's state (StepSampler.sample)."""
         idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        rows = hidden.index_select(0, idx)
+        if not spec and fill is None and self.step_sampler.plain_greedy(inputs.sample_req_ids, self.states):
+            greedy = getattr(self.model, "greedy_tokens", None)  # (pooling models have none)
+            tokens = greedy(rows) if greedy is not None else None
+            if tokens is not None:
+                return self.step_sampler.take_greedy(tokens, inputs.sample_req_ids, self.states)
+        logits = self.model.compute_logits(rows)
         return self.step_sampler.sample(logits, inputs.sample_req_ids, self.states, spec, fill)
 
     def execute(self, so: SchedulerOutput, on_progress: Callable[[RunnerOutput], None] | None = None

@@ -86,14 +86,34 @@ class StepSampler:
             return self._verify_greedy(logits, req_ids, states, verifying)
         return self._verify(logits, req_ids, states, verifying, fill)
 
+    @staticmethod
+    def plain_greedy(req_ids: list[str], states: dict[str, CachedRequestState]) -> bool:
+        """Whether every request's token is its logits' argmax and nothing else reads the logits (greedy, no
+        logprobs, penalties, bias, allowed tokens, min_tokens, processors or grammar): then `take_greedy`
+        can record tokens chosen without the logits (the LM head's greedy screen, LMHead.greedy)."""
+        for req_id in req_ids:
+            r = states[req_id].sampling
+            if not r.greedy or r.modifies_logits or r.num_logprobs is not None or r.grammar is not None:
+                return False
+        return True
+
+    def take_greedy(self, token_ids: list[int], req_ids: list[str], states: dict[str, CachedRequestState]
+                    ) -> StepSamples:
+        """Records the argmax tokens of `plain_greedy` requests, as `sample` would have chosen them."""
+        return self._record(req_ids, token_ids, [None] * len(req_ids), {}, states)
+
     # -- one token per request ---------------------------------------------------------------------
     def _sample_one(self, logits, req_ids, states, fill) -> StepSamples:
-        out = StepSamples()
         result = self.sampler.sample(logits, [states[r].sampling for r in req_ids], self.structured.finish_fill(fill))
         kept = [r for i, r in enumerate(req_ids) if i not in result.failed]
-        out.failed = {req_ids[i]: m for i, m in result.failed.items()}
-        out.failed.update(self.structured.accept(kept, result.sampled_token_ids))
-        for req_id, token, lp in zip(kept, result.sampled_token_ids, result.logprobs):
+        failed = {req_ids[i]: m for i, m in result.failed.items()}
+        return self._record(kept, result.sampled_token_ids, result.logprobs, failed, states)
+
+    def _record(self, req_ids, token_ids, logprobs, failed, states) -> StepSamples:
+        out = StepSamples()
+        out.failed = failed
+        out.failed.update(self.structured.accept(req_ids, token_ids))
+        for req_id, token, lp in zip(req_ids, token_ids, logprobs):
             if req_id not in out.failed:
                 states[req_id].token_ids.append(token)
                 out.add(req_id, [token], [lp] if lp is not None else [])

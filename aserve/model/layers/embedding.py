@@ -16,6 +16,7 @@ from torch import nn
 from aserve.distributed.collectives import all_gather_last_dim, all_reduce
 from aserve.distributed.context import ParallelContext
 from aserve.kernels.cpu_ops import CpuKernels
+from aserve.model.layers.greedy_head import GreedyScreen
 from aserve.model.layers.linear import _copy_checked
 from aserve.model.quantization.cpu_kernel import kernel_rows
 from aserve.model.quantization.cpu_packed import pack_weight, packed_linear
@@ -106,6 +107,7 @@ class LMHead(nn.Module):
         self.cpu_kernels: CpuKernels | None = None  # set by `use_cpu_kernel`
         self.vnni_weight: torch.Tensor | None = None  # its packed copy of the weight, when the shape packs
         self.q8_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # set by `use_q8_weight`
+        self.greedy_screen: GreedyScreen | None = None  # the greedy argmax's 8-bit copy (`use_cpu_kernel`)
         self.num_embeddings = num_embeddings
         self.shard: VocabShard | None = None  # vocab-parallel (set by the loader)
 
@@ -127,6 +129,17 @@ class LMHead(nn.Module):
         logits (no bf16 rounding of the logits)."""
         self.cpu_kernels = kernels
         self.vnni_weight = kernels.pack_vnni(self.weight.data)
+        if self.vnni_weight is not None and self.shard is None and GreedyScreen.fits(kernels, self.weight):
+            self.greedy_screen = GreedyScreen(kernels, self.weight.data)
+
+    def greedy(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of `self(hidden)` (the first on ties) from the greedy screen (greedy_head.py), or
+        None where there is none for this head or these rows (the caller then computes the logits)."""
+        kernels = self.cpu_kernels
+        if (self.greedy_screen is None or self.q8_weight is not None or self.vnni_weight is None
+                or hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or not kernels.accepts(hidden)):
+            return None
+        return self.greedy_screen.argmax(hidden, self.vnni_weight)
 
     def use_q8_weight(self, kernels: CpuKernels, codes: torch.Tensor, scales: torch.Tensor) -> bool:
         """After loading: multiply bf16 hidden states by 8-bit codes with a scale per 32 (`codes * scales`,

@@ -106,6 +106,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's `argmax(compute_logits(hidden))` (the first on ties) where the head finds it without
+        computing every logit (LMHead.greedy), else None. A family that transforms the head's logits
+        (`compute_logits` overridden: soft-capping, scaling) always gets None."""
+        if type(self).compute_logits is not CausalLM.compute_logits:
+            return None
+        return self.lm_head.greedy(hidden)
+
     # -- weights ----------------------------------------------------------------------------------
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name in this model's terms, or None to skip it. Families whose

@@ -1,4 +1,5 @@
-"""LMHead's CPU forms: the 8-bit head (`use_q8_weight`, GGUF's Q8_0 codes) against the float product."""
+"""LMHead's CPU forms: the 8-bit head (`use_q8_weight`, GGUF's Q8_0 codes) against the float product, and the
+greedy screen (`LMHead.greedy`, greedy_head.py) against the argmax of the full logits."""
 
 from __future__ import annotations
 
@@ -49,3 +50,52 @@ def test_q8_head_is_refused_where_it_cannot_run(kernels):
     head, codes, scales = _q8_head()
     head.shard = object()  # a vocabulary-parallel head holds only its rank's rows
     assert not head.use_q8_weight(kernels, codes, scales) and head.q8_weight is None
+
+
+def _bf16_head(vocab: int = 256, hidden: int = 64, seed: int = 8) -> LMHead:
+    """Random rows, a run of rows a few 8-bit steps from one another (32-63) and two exactly equal rows (10 and
+    the last)."""
+    gen = torch.Generator().manual_seed(seed)
+    head = LMHead(vocab, hidden, dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.05
+    weight[32:64] = weight[32] + torch.randn(32, hidden, generator=gen) * 0.002
+    weight[-1] = weight[10]
+    head.weight.data.copy_(weight)
+    return head
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_greedy_head_is_the_full_heads_argmax(kernels, rows):
+    if not kernels.packed_matmuls:
+        pytest.skip("no packed bf16 products here")
+    head = _bf16_head()
+    head.use_cpu_kernel(kernels)
+    assert head.greedy_screen is not None
+    for trial in range(30):
+        hidden = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(trial)) * 3).bfloat16()
+        if trial == 0:  # rows 10 and the last tie for the largest logit: the first wins
+            hidden = (head.weight.data[10].float() * 40).bfloat16().expand(rows, 64).contiguous()
+        elif trial == 1:  # the near rows lead
+            hidden = (head.weight.data[32].float() * 40).bfloat16().expand(rows, 64).contiguous()
+        want = head(hidden).argmax(dim=-1).tolist()
+        assert head.greedy(hidden) == want
+        if trial == 0:
+            assert want == [10] * rows
+
+
+def test_greedy_head_declines_what_it_cannot_screen(kernels):
+    if not kernels.packed_matmuls:
+        pytest.skip("no packed bf16 products here")
+    head = _bf16_head()
+    head.use_cpu_kernel(kernels)
+    hidden = torch.randn(2, 64).bfloat16()
+    assert head.greedy(hidden.float()) is None  # float32 rows keep the float product
+    hidden[1, 5] = float("inf")
+    assert head.greedy(hidden) is None  # a non-finite row: the caller computes the logits
+    odd = _bf16_head(vocab=80)  # not a multiple of 32
+    odd.use_cpu_kernel(kernels)
+    assert odd.greedy_screen is None and odd.greedy(hidden[:1]) is None
+    gguf, codes, scales = _q8_head(vocab=96)
+    gguf.use_cpu_kernel(kernels)
+    assert gguf.use_q8_weight(kernels, codes, scales)  # the file's 8-bit weight is the head itself
+    assert gguf.greedy(torch.randn(1, 64).bfloat16()) is None

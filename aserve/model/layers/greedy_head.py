@@ -1,0 +1,64 @@
+"""The greedy LM head on CPU: each row's largest logit without streaming the whole bf16 weight.
+
+A decode step that only takes the argmax (greedy requests with nothing else reading the logits:
+StepSampler.plain_greedy) reads the head's weight once per token, a fifth of a small model's bytes. The
+screen keeps an 8-bit copy of the weight (a scale per 32 values, half the bytes of bf16) and a bound on
+how far its products can be from the exact ones (`CpuKernels.screen_q8`, cpu_matmul_q8.c): only the few
+columns whose bound reaches the best lower bound can hold the maximum, and only their column groups of
+the packed bf16 weight are multiplied exactly, by the same kernel as the full head. So the token is
+bitwise the one `argmax(head(hidden))` picks (the first on ties); a row with too many candidates or a
+non-finite value makes the whole call return None and the caller computes the logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aserve.kernels.cpu_ops import CpuKernels
+
+# A row with more candidates than this is computed in full (a few are typical: its bound is ~1 logit).
+MAX_CANDIDATES = 64
+_GROUP = 16  # columns per group of the packed bf16 weight (CpuKernels.pack_vnni)
+
+
+class GreedyScreen:
+    """The 8-bit copy of a head's weight `[vocab, hidden]` and the argmax over its packed bf16 form."""
+
+    def __init__(self, kernels: CpuKernels, weight: torch.Tensor):
+        self.kernels = kernels
+        self.q8 = kernels.pack_q8(*kernels.quantize_q8(weight))
+
+    @staticmethod
+    def fits(kernels: CpuKernels, weight: torch.Tensor) -> bool:
+        """Whether a head of `weight`'s shape can be screened here (8-bit products, 32-aligned shape)."""
+        vocab, hidden = weight.shape
+        return kernels.q8_products and vocab % 32 == 0 and hidden % 32 == 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.q8)
+
+    def argmax(self, hidden: torch.Tensor, vnni_weight: torch.Tensor) -> list[int] | None:
+        """Each row of `hidden` (bf16 `[M, hidden]`)'s argmax of `hidden @ W^T` as `linear_vnni(hidden,
+        vnni_weight)` computes it, or None (see the module docstring)."""
+        cand, counts = self.kernels.screen_q8(hidden, self.q8, MAX_CANDIDATES)
+        rows = [cand[m, :n].tolist() if n > 0 else None for m, n in enumerate(counts.tolist())]
+        if any(r is None for r in rows):
+            return None
+        groups = sorted({c // _GROUP for r in rows for c in r})
+        at = {g: i * _GROUP for i, g in enumerate(groups)}
+        picked = vnni_weight.index_select(0, torch.tensor(groups, dtype=torch.int64))
+        exact = self.kernels.linear_vnni(hidden, picked, None, torch.float32).tolist()
+        tokens = []
+        for values, columns in zip(exact, rows):
+            best, best_value = -1, -math.inf
+            for c in columns:  # column order: the first of equal values wins, as argmax's
+                v = values[at[c // _GROUP] + c % _GROUP]
+                if not math.isfinite(v):
+                    return None
+                if v > best_value:
+                    best, best_value = c, v
+            tokens.append(best)
+        return tokens
