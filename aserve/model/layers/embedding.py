@@ -16,6 +16,7 @@ from torch import nn
 from aserve.distributed.collectives import all_gather_last_dim, all_reduce
 from aserve.distributed.context import ParallelContext
 from aserve.kernels.cpu_ops import CpuKernels
+from aserve.model.layers.greedy_head import MAX_ROWS as GREEDY_MAX_ROWS
 from aserve.model.layers.greedy_head import GreedyScreen
 from aserve.model.layers.linear import _copy_checked
 from aserve.model.quantization.cpu_kernel import kernel_rows
@@ -137,7 +138,7 @@ class LMHead(nn.Module):
         None where there is none for this head or these rows (the caller then computes the logits)."""
         kernels = self.cpu_kernels
         if (self.greedy_screen is None or self.q8_weight is not None or self.vnni_weight is None
-                or hidden.dim() != 2 or hidden.dtype != torch.bfloat16 or not kernels.accepts(hidden)):
+                or hidden.dim() != 2 or hidden.shape[0] > GREEDY_MAX_ROWS or not kernels.accepts(hidden)):
             return None
         return self.greedy_screen.argmax(hidden, self.vnni_weight)
 

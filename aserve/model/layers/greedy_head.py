@@ -7,7 +7,7 @@ how far its products can be from the exact ones (`CpuKernels.screen_q8`, cpu_mat
 columns whose bound reaches the best lower bound can hold the maximum, and only their column groups of
 the packed bf16 weight are multiplied exactly, by the same kernel as the full head. So the token is
 bitwise the one `argmax(head(hidden))` picks (the first on ties); a row with too many candidates or a
-non-finite value makes the whole call return None and the caller computes the logits.
+non-finite value, or more than MAX_ROWS rows, make the call return None and the caller computes the logits.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from aserve.kernels.cpu_ops import CpuKernels
 
 # A row with more candidates than this is computed in full (a few are typical: its bound is ~1 logit).
 MAX_CANDIDATES = 64
+# Steps of more rows compute the logits: the 8-bit products go row by row, the bf16 head's in register blocks of
+# rows, which wins once a few rows share the weight stream (README, CPU speed II, ninth pass).
+MAX_ROWS = 3
 _GROUP = 16  # columns per group of the packed bf16 weight (CpuKernels.pack_vnni)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from aserve.kernels import cpu_ops
 from aserve.model.layers.embedding import Q8_HEAD_MAX_ROWS, LMHead
+from aserve.model.layers.greedy_head import MAX_ROWS as GREEDY_MAX_ROWS
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def _bf16_head(vocab: int = 256, hidden: int = 64, seed: int = 8) -> LMHead:
     return head
 
 
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, GREEDY_MAX_ROWS])
 def test_greedy_head_is_the_full_heads_argmax(kernels, rows):
     if not kernels.packed_matmuls:
         pytest.skip("no packed bf16 products here")
@@ -90,6 +91,7 @@ def test_greedy_head_declines_what_it_cannot_screen(kernels):
     head.use_cpu_kernel(kernels)
     hidden = torch.randn(2, 64).bfloat16()
     assert head.greedy(hidden.float()) is None  # float32 rows keep the float product
+    assert head.greedy(torch.randn(GREEDY_MAX_ROWS + 1, 64).bfloat16()) is None  # more rows: the logits
     hidden[1, 5] = float("inf")
     assert head.greedy(hidden) is None  # a non-finite row: the caller computes the logits
     odd = _bf16_head(vocab=80)  # not a multiple of 32
