@@ -25,6 +25,7 @@ from aserve.config.parallel import kv_head_replicas, rank_arch_config, stage_arc
 from aserve.config.quantization import CUDA_METHODS
 from aserve.distributed.context import SINGLE, ParallelContext
 from aserve.model.attention.base import AttentionBackend
+from aserve.model.layers.greedy_head import MAX_ROWS as GREEDY_MAX_ROWS
 from aserve.model.layers.norm import NORM_LAYERS
 from aserve.model.models.registry import get_model_class
 from aserve.model.pipeline import stage_local_name
@@ -135,6 +136,10 @@ def load_model(config: AserveConfig, backend: AttentionBackend, device: torch.de
         from aserve.model.checkpoint_readers import use_gguf_q8_head
 
         use_gguf_q8_head(model, config.model.model_path)
+    screen = getattr(getattr(model, "lm_head", None), "greedy_screen", None)
+    if screen is not None:
+        logger.info("LM head: greedy steps of up to %d rows screened on an 8-bit copy of it (%.0f MB)",
+                    GREEDY_MAX_ROWS, screen.nbytes / 1e6)
     counts = assign.process_weights_after_loading(model)
     if quantization is not None or counts.keys() - {"unquantized"}:
         logger.info("Linear methods: %s; activations %s (CPU capability %s)",

@@ -151,6 +151,7 @@ class LMHead(nn.Module):
         if packed is None:
             return False
         self.cpu_kernels, self.q8_weight = kernels, packed
+        self.greedy_screen = None  # (an 8-bit copy of this weight is the head itself now)
         if kernels.packed_isa != "avx512_bf16":  # on AVX2 the 8-bit product is as fast at any batch (README)
             self.vnni_weight = None
         return True

@@ -99,5 +99,5 @@ def test_greedy_head_declines_what_it_cannot_screen(kernels):
     assert odd.greedy_screen is None and odd.greedy(hidden[:1]) is None
     gguf, codes, scales = _q8_head(vocab=96)
     gguf.use_cpu_kernel(kernels)
-    assert gguf.use_q8_weight(kernels, codes, scales)  # the file's 8-bit weight is the head itself
+    assert gguf.use_q8_weight(kernels, codes, scales) and gguf.greedy_screen is None  # the 8-bit weight is the head
     assert gguf.greedy(torch.randn(1, 64).bfloat16()) is None
