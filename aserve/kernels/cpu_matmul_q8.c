@@ -192,3 +192,41 @@ int64_t screen_q8_bf16(const bf16 *x, int64_t x_stride, const int8_t *codes, con
     return -1;
 #endif
 }
+
+/* Each row's argmax of x @ W^T as linear_vnni_bf16 computes it, where vnni is W's pack_vnni form and codes /
+ * scales its 8-bit copy: screen_q8_bf16's candidates, then only their groups of 16 columns multiplied exactly
+ * (each column's sums are the same in any group count), the first of equal values winning. tokens [M]: the
+ * column, or -1 where the row must be computed in full (more than max_cand candidates, or a non-finite value
+ * among them). work [M, 2, N] fp32 and cand [M, max_cand] int32: scratch. Returns 0, -1 when this build has no
+ * AVX2, -2 when out of memory. */
+int64_t greedy_q8_bf16(const bf16 *x, int64_t x_stride, const int8_t *codes, const float *scales, const bf16 *vnni,
+                       int64_t M, int64_t N, int64_t K, float *work, int32_t *cand, int64_t max_cand,
+                       int64_t *tokens) {
+    const int64_t status = screen_q8_bf16(x, x_stride, codes, scales, M, N, K, work, cand, max_cand, tokens);
+    if (status) return status;
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t found = tokens[m];
+        int64_t best = -1, group = -1;
+        float best_value = -INFINITY, exact[16];
+        for (int64_t i = 0; i < found; i++) {
+            const int64_t c = cand[m * max_cand + i];
+            if (c / 16 != group) { /* candidates come in column order: each group once */
+                group = c / 16;
+                const int64_t run = linear_vnni_bf16(x + m * x_stride, x_stride, vnni + group * (K / 2) * 32, NULL,
+                                                     exact, 16, 1, 16, K, 1);
+                if (run) return run;
+            }
+            const float v = exact[c % 16];
+            if (!isfinite(v)) {
+                best = -1;
+                break;
+            }
+            if (best < 0 || v > best_value) {
+                best = c;
+                best_value = v;
+            }
+        }
+        tokens[m] = found > 0 ? best : -1;
+    }
+    return 0;
+}

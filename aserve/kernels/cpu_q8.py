@@ -12,6 +12,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 Q8_SIGNATURES = {
     "linear_q8_f32": (_P, _I, _I, _P, _P, _P, _I, _I, _I, _I),
     "screen_q8_bf16": (_P, _I, _P, _P, _I, _I, _I, _P, _P, _I, _P),
+    "greedy_q8_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _P, _P, _I, _P),
 }
 _ROW_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -24,6 +25,8 @@ class Q8Products:
         self._linear_q8.restype = ctypes.c_int64
         self._screen_q8 = library.screen_q8_bf16
         self._screen_q8.restype = ctypes.c_int64
+        self._greedy_q8 = library.greedy_q8_bf16
+        self._greedy_q8.restype = ctypes.c_int64
         library.linear_q8_available.restype = ctypes.c_int64
         self.q8_products = bool(library.linear_q8_available())  # `linear_q8` (AVX2 integer products)
 
@@ -86,3 +89,25 @@ class Q8Products:
         if status:
             raise RuntimeError("screen_q8: this build has no AVX2" if status == -1 else "screen_q8: out of memory")
         return cand, counts
+
+    def greedy_q8(self, x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], vnni: torch.Tensor,
+                  max_candidates: int) -> list[int]:
+        """Each row's argmax of `linear_vnni(x, vnni)` (the first on ties) from `screen_q8`'s candidates (packed:
+        the 8-bit copy of the same weight) and the exact products of their column groups alone; -1 for a row
+        that must be computed in full (see `screen_q8`, or a non-finite value among its candidates)."""
+        codes, scales = packed
+        rows, k = x.shape
+        n = codes.shape[0] * 32
+        if (x.stride(1) != 1 or codes.shape[1] * 2 != k or x.dtype != torch.bfloat16
+                or tuple(vnni.shape) != (n // 16, k // 2, 16, 2) or not vnni.is_contiguous()):
+            raise ValueError(f"greedy_q8: x {tuple(x.shape)} {x.dtype} does not fit packed codes {tuple(codes.shape)} "
+                             f"and weight {tuple(vnni.shape)}")
+        work = torch.empty((rows, 2, n), dtype=torch.float32)
+        cand = torch.empty((rows, max_candidates), dtype=torch.int32)
+        tokens = torch.empty(rows, dtype=torch.int64)
+        status = self._greedy_q8(x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), vnni.data_ptr(),
+                                 rows, n, k, work.data_ptr(), cand.data_ptr(), max_candidates, tokens.data_ptr())
+        if status:
+            raise RuntimeError({-1: "greedy_q8: this build has no AVX2 or no packed products",
+                                -2: "greedy_q8: out of memory"}.get(int(status), f"greedy_q8: failed ({status})"))
+        return tokens.tolist()

@@ -12,8 +12,6 @@ non-finite value, or more than MAX_ROWS rows, make the call return None and the 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from aserve.kernels.cpu_ops import CpuKernels
@@ -23,7 +21,6 @@ MAX_CANDIDATES = 64
 # Steps of more rows compute the logits: the 8-bit products go row by row, the bf16 head's in register blocks of
 # rows, which wins once a few rows share the weight stream (README, CPU speed II, ninth pass).
 MAX_ROWS = 3
-_GROUP = 16  # columns per group of the packed bf16 weight (CpuKernels.pack_vnni)
 
 
 class GreedyScreen:
@@ -46,22 +43,5 @@ class GreedyScreen:
     def argmax(self, hidden: torch.Tensor, vnni_weight: torch.Tensor) -> list[int] | None:
         """Each row of `hidden` (bf16 `[M, hidden]`)'s argmax of `hidden @ W^T` as `linear_vnni(hidden,
         vnni_weight)` computes it, or None (see the module docstring)."""
-        cand, counts = self.kernels.screen_q8(hidden, self.q8, MAX_CANDIDATES)
-        rows = [cand[m, :n].tolist() if n > 0 else None for m, n in enumerate(counts.tolist())]
-        if any(r is None for r in rows):
-            return None
-        groups = sorted({c // _GROUP for r in rows for c in r})
-        at = {g: i * _GROUP for i, g in enumerate(groups)}
-        picked = vnni_weight.index_select(0, torch.tensor(groups, dtype=torch.int64))
-        exact = self.kernels.linear_vnni(hidden, picked, None, torch.float32).tolist()
-        tokens = []
-        for values, columns in zip(exact, rows):
-            best, best_value = -1, -math.inf
-            for c in columns:  # column order: the first of equal values wins, as argmax's
-                v = values[at[c // _GROUP] + c % _GROUP]
-                if not math.isfinite(v):
-                    return None
-                if v > best_value:
-                    best, best_value = c, v
-            tokens.append(best)
-        return tokens
+        tokens = self.kernels.greedy_q8(hidden, self.q8, vnni_weight, MAX_CANDIDATES)
+        return None if min(tokens) < 0 else tokens
