@@ -306,8 +306,11 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, inputs: ModelInputs, spec: dict[str, list[int]], fill) -> StepSamples:
         """Samples (or verifies `spec`'s drafts of) the step's sampling requests from their rows of
         `hidden`; the tokens are appended to each request's state (StepSampler.sample)."""
-        idx = torch.tensor(inputs.logits_indices, dtype=torch.int64, device=hidden.device)
-        rows = hidden.index_select(0, idx)
+        wanted = inputs.logits_indices
+        if len(wanted) == hidden.shape[0] and wanted[-1] == len(wanted) - 1:  # (increasing: every row, in order)
+            rows = hidden
+        else:
+            rows = hidden.index_select(0, torch.tensor(wanted, dtype=torch.int64, device=hidden.device))
         if not spec and fill is None and self.step_sampler.plain_greedy(inputs.sample_req_ids, self.states):
             greedy = getattr(self.model, "greedy_tokens", None)  # (pooling models have none)
             tokens = greedy(rows) if greedy is not None else None
