@@ -108,3 +108,34 @@ def test_requests_outgrowing_the_drafts_context(draft_context, tmp_path):
         outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in result])
     assert outs[0] == outs[1]
     assert [len(t) for t, _ in outs[1]] == [27, 27]
+
+
+def test_a_bf16_draft_proposes_through_the_heads_greedy_screen(tmp_path):
+    """bf16 on the C kernels: the draft's argmax comes from its LM head's greedy screen (model/layers/greedy_head.py)
+    where the target verifies on full logits; the draft being the target, every draft must still be accepted."""
+    from aserve.kernels import cpu_ops
+
+    kernels = cpu_ops.load()
+    if kernels is None or not kernels.packed_matmuls or not kernels.q8_products:
+        pytest.skip("needs the C kernels with packed bf16 and 8-bit products")
+    save_tiny_hf(tmp_path, "llama", seed=5, **GREEDY_STABLE)  # (a vocabulary of 512: screened)
+    bf16 = {"dtype": "bfloat16", "max_model_len": 128}
+    prompts = PROMPTS[:3]  # (the screen takes steps of up to 3 rows)
+    reference, _ = _run(str(tmp_path), None, prompts, **bf16)
+    engine_args = {**BASE, **bf16, "speculative_config": {"model": str(tmp_path), "num_speculative_tokens": 3}}
+    llm = LLM(str(tmp_path), **engine_args)
+    draft_head = llm.engine.core._executor.runner.proposer.model.lm_head
+    screened = []
+    greedy = draft_head.greedy
+
+    def counted(hidden):
+        tokens = greedy(hidden)
+        screened.append(tokens is not None)
+        return tokens
+
+    draft_head.greedy = counted
+    totals = SpecTotals()
+    llm.engine.stat_loggers.append(totals)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert sum(screened) > 0 and totals.num_draft_tokens > 0 and totals.num_accepted_tokens == totals.num_draft_tokens

@@ -98,7 +98,8 @@ class DraftModelProposer(Proposer):
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
             pos = torch.from_numpy(positions).to(self.device)
             hidden = self.model(ids, pos, _decode_meta(table, positions, self.block_size, self.device))
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            greedy = self.model.greedy_tokens(hidden)  # (the head's greedy screen on CPU: the same argmax)
+            tokens = greedy if greedy is not None else self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for d, t in zip(drafts, tokens):
                 d.append(t)
             positions = positions + 1
