@@ -37,3 +37,15 @@ def decode_step_ms(config: dict, batch: int, dtype: str, folder: Path, **llm_kwa
     llm.generate(prompts, params, use_tqdm=False)
     llm.engine.shutdown()
     return statistics.median(steps.times) * 1000
+
+
+def ab_workload(llm: Any, rows: int, prompt_len: int) -> tuple[DecodeSteps, list[dict], Any]:
+    """The in-process A/B scripts' workload (step_ab.py, greedy_head.py): a DecodeSteps logger attached to
+    `llm`, `rows` prompts of `prompt_len` token ids, and their parameters (128 greedy tokens, EOS ignored,
+    no detokenizing)."""
+    from aserve import SamplingParams
+
+    steps = DecodeSteps()
+    llm.engine.stat_loggers.append(steps)
+    prompts = [{"prompt_token_ids": [1000 + (7 * i + j) % 3000 for j in range(prompt_len)]} for i in range(rows)]
+    return steps, prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False)

@@ -18,9 +18,9 @@ import os
 import statistics
 import time
 
-from _decode_steps import DecodeSteps  # (benchmarks/, the script's folder)
+from _decode_steps import ab_workload  # (benchmarks/, the script's folder)
 
-from aserve import LLM, SamplingParams
+from aserve import LLM
 
 
 def main() -> None:
@@ -46,11 +46,7 @@ def main() -> None:
     runner.sample = timed_sample
     if screen is None:
         raise SystemExit("this model or CPU has no greedy screen (needs the C kernels' 8-bit products)")
-    steps = DecodeSteps()
-    llm.engine.stat_loggers.append(steps)
-    prompts = [{"prompt_token_ids": [1000 + (7 * i + j) % 3000 for j in range(args.prompt_len)]}
-               for i in range(args.rows)]
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False)
+    steps, prompts, params = ab_workload(llm, args.rows, args.prompt_len)
     times: dict[str, list[float]] = {"full logits": [], "screen": []}
     samples: dict[str, list[float]] = {"full logits": [], "screen": []}
     tokens: dict[str, list] = {}

@@ -18,9 +18,9 @@ import os
 import statistics
 from pathlib import Path
 
-from _decode_steps import DecodeSteps  # (benchmarks/, the script's folder)
+from _decode_steps import ab_workload  # (benchmarks/, the script's folder)
 
-from aserve import LLM, SamplingParams
+from aserve import LLM
 from aserve.kernels import cpu_ops
 from aserve.kernels.c_build import compile_library
 from aserve.runner.cpu_decode_step import _ARGTYPES
@@ -45,11 +45,7 @@ def main() -> None:
     if step is None:
         raise SystemExit("this model or CPU does not run the native decode step")
     builds = {"old": old_step, "new": step._fn}
-    steps = DecodeSteps()
-    llm.engine.stat_loggers.append(steps)
-    prompts = [{"prompt_token_ids": [1000 + (7 * i + j) % 3000 for j in range(args.prompt_len)]}
-               for i in range(args.rows)]
-    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, detokenize=False)
+    steps, prompts, params = ab_workload(llm, args.rows, args.prompt_len)
     times: dict[str, list[float]] = {"old": [], "new": []}
     tokens: dict[str, list] = {}
     for r in range(args.rounds):

@@ -16,14 +16,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(
     int64_t len, int64_t row, int64_t g, int64_t G, const int64_t D, int64_t block_size, float scale,
     float softcap) {
     float qf[MAX_GROUP * D], acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][KEY_CHUNK], kv[D];
-    for (int64_t h = 0; h < G; h++) {
-        for (int64_t i = 0; i < D; i++) {
-            qf[h * D + i] = bf16_to_f32(q[h * D + i]) * scale;
-            acc[h * D + i] = 0.0f;
-        }
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-    }
+    start_heads(q, G, D, scale, qf, acc, m, l);
     for (int64_t c0 = start; c0 < len; c0 += KEY_CHUNK) {
         const int64_t n = (len - c0) < KEY_CHUNK ? (len - c0) : KEY_CHUNK;
         int64_t slot[KEY_CHUNK];

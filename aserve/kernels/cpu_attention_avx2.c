@@ -38,16 +38,16 @@ static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     const __m256 live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P5);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P0));
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
@@ -83,14 +83,7 @@ static inline __attribute__((always_inline)) void attend_kv_head_avx2(
     float softcap, float *partial) {
     float qf[MAX_GROUP * D], acc[MAX_GROUP * D], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][ATTEND_AVX2_CHUNK];
     float kbuf[ATTEND_AVX2_CHUNK * D], vbuf[ATTEND_AVX2_CHUNK * D];
-    for (int64_t h = 0; h < G; h++) {
-        for (int64_t i = 0; i < D; i++) {
-            qf[h * D + i] = bf16_to_f32(q[h * D + i]) * scale;
-            acc[h * D + i] = 0.0f;
-        }
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-    }
+    start_heads(q, G, D, scale, qf, acc, m, l);
     int64_t slot[ATTEND_AVX2_CHUNK], next[ATTEND_AVX2_CHUNK];
     key_slots(table, start, (len - start) < ATTEND_AVX2_CHUNK ? (len - start) : ATTEND_AVX2_CHUNK, block_size, next);
     for (int64_t c0 = start; c0 < len; c0 += ATTEND_AVX2_CHUNK) {

@@ -86,18 +86,44 @@ static inline float *row_group_sums(const bf16 *x, int64_t x_stride, int64_t M, 
 /* exp(x): Cody-Waite range reduction and a degree-6 polynomial, within ~2 ulp of expf for
  * x in [-87, 88] (0 below, inf above); plain arithmetic and selects (no branches), so the loops that call
  * it vectorize. */
+/* Decode attention's state for the G query heads of one KV head before its first key: the queries in fp32
+ * times `scale`, empty sums, running maxima of -inf and denominators of 0 (D a constant where inlined). */
+static inline __attribute__((always_inline)) void start_heads(const bf16 *q, int64_t G, const int64_t D, float scale,
+                                                              float *qf, float *acc, float *m, float *l) {
+    for (int64_t h = 0; h < G; h++) {
+        for (int64_t i = 0; i < D; i++) {
+            qf[h * D + i] = bf16_to_f32(q[h * D + i]) * scale;
+            acc[h * D + i] = 0.0f;
+        }
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+}
+
+/* fast_exp's constants, shared by its vector forms (exp16 below, exp8 in cpu_attention_avx2.c): log2(e), ln(2)
+ * in a high part exact in few bits and a low remainder, and the polynomial's coefficients (degree 5). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P5 1.9875691500e-4f
+#define EXP_P4 1.3981999507e-3f
+#define EXP_P3 8.3334519073e-3f
+#define EXP_P2 4.1665795894e-2f
+#define EXP_P1 1.6666665459e-1f
+#define EXP_P0 5.0000001201e-1f
+
 static inline float fast_exp(float x) {
     const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     /* round to nearest even (as nearbyintf, which does not vectorize): |x log2 e| < 2^22 here */
-    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = xc - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float n = (xc * EXP_LOG2E + 12582912.0f) - 12582912.0f;
+    float r = xc - n * EXP_LN2_HI;
+    r = r + n * EXP_LN2_LO;
+    float p = EXP_P5;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P0;
     p = p * r * r + r + 1.0f;
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
@@ -200,16 +226,16 @@ static inline __m512 exp16(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.0f);
     const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
     x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P5);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P0));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }

@@ -136,9 +136,8 @@ class LMHead(nn.Module):
     def greedy(self, hidden: torch.Tensor) -> list[int] | None:
         """Each row's argmax of `self(hidden)` (the first on ties) from the greedy screen (greedy_head.py), or
         None where there is none for this head or these rows (the caller then computes the logits)."""
-        kernels = self.cpu_kernels
-        if (self.greedy_screen is None or self.q8_weight is not None or self.vnni_weight is None
-                or hidden.dim() != 2 or hidden.shape[0] > GREEDY_MAX_ROWS or not kernels.accepts(hidden)):
+        if (self.greedy_screen is None or hidden.dim() != 2 or hidden.shape[0] > GREEDY_MAX_ROWS
+                or not self.cpu_kernels.accepts(hidden)):  # (the screen exists with vnni_weight, never q8_weight)
             return None
         return self.greedy_screen.argmax(hidden, self.vnni_weight)
 
