@@ -28,6 +28,7 @@ import torch
 
 from aserve.kernels.c_build import DISABLE_ENV, FORCE_NATIVE_ENV, compile_library, kernels_disabled
 from aserve.kernels.c_build import log_once as _log_once
+from aserve.kernels.cpu_float_gemm import FLOAT_GEMM_MIN_ROWS, FLOAT_GEMM_SIGNATURES, FloatGemm
 from aserve.kernels.cpu_q8 import Q8_SIGNATURES, Q8Products
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ _SIGNATURES = {
     "linear_vnni_bf16": (_P, _I, _P, _P, _P, _I, _I, _I, _I, _I),
     "linear_int4_bf16": (_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I),
     **Q8_SIGNATURES,
+    **FLOAT_GEMM_SIGNATURES,
     "paged_decode_attention_bf16": (_P, _P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
     "paged_prefill_attention_bf16": (_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F),
 }
@@ -74,8 +76,9 @@ def _load_native() -> CpuKernels | None:
         detail = (getattr(e, "stderr", "") or str(e)).strip()[:500]
         _log_once(logging.WARNING, f"CPU kernels: cannot build ({detail}); ops use their slower torch forms")
         return None
+    gemm = f"; from {FLOAT_GEMM_MIN_ROWS} rows a float32 GEMM" if kernels.takes_float_gemm(FLOAT_GEMM_MIN_ROWS) else ""
     _log_once(logging.INFO, f"CPU kernels: built for this CPU (native bf16 dot product: {kernels.native_bf16_dot}; "
-                            f"packed matrix products: {kernels.packed_isa or 'none'})")
+                            f"packed matrix products: {kernels.packed_isa or 'none'}{gemm})")
     return kernels
 
 
@@ -92,7 +95,7 @@ def _fp16_exact(t: torch.Tensor) -> bool:
     return bool(torch.equal(t.float().half().float(), t.float()))
 
 
-class CpuKernels(Q8Products):
+class CpuKernels(Q8Products, FloatGemm):
     """Typed wrappers over the compiled library (see cpu_ops.c for each contract).
 
     Inputs must be bfloat16 CPU tensors in the layouts stated below (callers check with `accepts`
@@ -116,6 +119,7 @@ class CpuKernels(Q8Products):
         self._linear_int4 = library.linear_int4_bf16
         self._linear_int4.restype = ctypes.c_int64
         self._bind_q8(library)
+        self._bind_float_gemm(library)
         self.decode_layers = library.decode_layers_bf16  # typed by its caller (aserve/runner/cpu_decode_step.py)
         self.decode_layers.restype = ctypes.c_int64
         self.team_selftest = library.team_selftest  # (ops, chunks, threads, stall) -> chunks taken over, or < 0
@@ -220,12 +224,14 @@ class CpuKernels(Q8Products):
                     out_dtype: torch.dtype = _BF16) -> torch.Tensor:
         """As `linear`, with the weight from `pack_vnni`: register blocks of 6 rows x 64 columns and no
         horizontal sums, so any M runs near the CPU's bf16 peak (for prefill as fast as oneDNN, for
-        decode faster); with AVX2 only, blocks of 4 rows x 16 columns (one row: 64) in fp32 FMAs. Needs
-        `packed_matmuls`."""
+        decode faster); with AVX2 only, blocks of 4 rows x 16 columns (one row: 64) in fp32 FMAs, and from
+        FLOAT_GEMM_MIN_ROWS rows a float32 GEMM (cpu_float_gemm.py). Needs `packed_matmuls`."""
         rows, k = x.shape
         n = packed.shape[0] * 16
         if x.stride(1) != 1 or packed.shape[1] * 2 != k or (bias is not None and bias.shape[0] != n):
             raise ValueError(f"linear_vnni: x {tuple(x.shape)} does not fit packed weight {tuple(packed.shape)}")
+        if self.takes_float_gemm(rows):
+            return self.float_gemm_vnni(x, packed, bias, out_dtype)
         out = torch.empty((rows, n), dtype=out_dtype)
         status = self._linear_vnni(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,

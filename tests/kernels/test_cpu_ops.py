@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu_ops, reference
+from aserve.kernels.cpu_float_gemm import FLOAT_GEMM_MIN_ROWS
 from tests.support.cpu_marches import MARCHES, build_cpu_kernels
 
 BF16 = torch.bfloat16
@@ -137,7 +138,8 @@ def test_linear(kernels, rows, in_features):
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 13])  # register blocks of 6 rows: full, partial, several
+# register blocks of 6 rows: full, partial, several; 130: prefill-sized (a float32 GEMM on the AVX2 form)
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 130])
 def test_linear_vnni(kernels, rows):
     weight, bias = _rand(80, 64, seed=15, scale=0.2), _rand(80, seed=16)  # 80 columns: 64 + a group of 16
     packed = kernels.pack_vnni(weight)
@@ -150,6 +152,22 @@ def test_linear_vnni(kernels, rows):
     want = x.float() @ weight.float().T + bias.float()
     assert_rounded_once(kernels.linear_vnni(x, packed, bias), want, exact_fraction=0.95)
     torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_sized_products_take_the_float_gemm_on_the_avx2_form(kernels):
+    """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form widens the packed weight into its exact float32 transpose and
+    multiplies it with torch's GEMM; bf16 dot-product builds keep the kernel at every size."""
+    if not kernels.packed_matmuls:
+        pytest.skip("no packed products in this build")
+    rows = FLOAT_GEMM_MIN_ROWS
+    assert kernels.takes_float_gemm(rows) == (kernels.packed_isa == "avx2")
+    assert not kernels.takes_float_gemm(rows - 1)
+    weight = _rand(96, 70, seed=27)  # 35 k-pairs: an odd count
+    assert torch.equal(kernels.unpack_vnni(kernels.pack_vnni(weight)), weight.float().T)
+    x = _rand(rows, 70, seed=28)
+    want = x.float() @ weight.float().T
+    torch.testing.assert_close(kernels.linear_vnni(x, kernels.pack_vnni(weight), None, torch.float32), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("in_features", [576, 70])  # 70: an odd count of k-pairs (the one-row tail)

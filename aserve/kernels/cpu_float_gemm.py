@@ -1,0 +1,49 @@
+"""Prefill-sized bf16 products on CPUs whose packed products are the AVX2 form (fp32 FMAs on weights widened
+in registers, `cpu_matmul_avx2.c`), part of `CpuKernels` (cpu_ops.py): from `FLOAT_GEMM_MIN_ROWS` rows on,
+the packed weight is widened once per call into its float32 transpose (`unpack_vnni_f32` in cpu_matmul.c,
+exact) and multiplied by torch's float32 GEMM (MKL / oneDNN), whose register blocking reaches more of the
+FMA peak than the widening kernel does at large M; below that the widening costs more than it gains, and the
+kernel keeps the rows. The README's CPU section has the measured crossover.
+
+Results: fp32 accumulation and one rounding, as the kernel's, but in the GEMM library's order of sums, which
+depends on the batch: a row's value is not bitwise the same alone (the kernel) as in a prefill-sized batch.
+CPUs with a bf16 dot product (AVX512-BF16) keep the kernel at every size: there it is at the bf16 peak."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+FLOAT_GEMM_MIN_ROWS = 128  # rows from which the float32 GEMM wins on the AVX2 form (README: measured)
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+FLOAT_GEMM_SIGNATURES = {"unpack_vnni_f32": (_P, _I, _I, _P)}
+
+
+class FloatGemm:
+    """The float32-GEMM form of `linear_vnni`; `_bind_float_gemm` takes the loaded library (typed by CpuKernels)."""
+
+    packed_isa: str | None
+
+    def _bind_float_gemm(self, library: ctypes.CDLL) -> None:
+        self._unpack_vnni = library.unpack_vnni_f32
+
+    def takes_float_gemm(self, rows: int) -> bool:
+        """Whether `linear_vnni` of `rows` rows runs as a float32 GEMM here (AVX2 form, >= FLOAT_GEMM_MIN_ROWS)."""
+        return self.packed_isa == "avx2" and rows >= FLOAT_GEMM_MIN_ROWS
+
+    def unpack_vnni(self, packed: torch.Tensor) -> torch.Tensor:
+        """A `pack_vnni` weight `[N/16, K/2, 16, 2]` (bf16, contiguous) as its float32 transpose `[K, N]`."""
+        n, k = packed.shape[0] * 16, packed.shape[1] * 2
+        wt = torch.empty((k, n), dtype=torch.float32)
+        self._unpack_vnni(packed.data_ptr(), n, k, wt.data_ptr())
+        return wt
+
+    def float_gemm_vnni(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """`x [M, K]` (bf16, checked by the caller) times the packed weight, + bias, in `out_dtype`."""
+        wt = self.unpack_vnni(packed)
+        xf = x.float()
+        out = torch.mm(xf, wt) if bias is None else torch.addmm(bias.float(), xf, wt)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
