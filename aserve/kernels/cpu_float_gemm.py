@@ -1,13 +1,14 @@
-"""Prefill-sized bf16 products on CPUs whose packed products are the AVX2 form (fp32 FMAs on weights widened
-in registers, `cpu_matmul_avx2.c`), part of `CpuKernels` (cpu_ops.py): from `FLOAT_GEMM_MIN_ROWS` rows on,
-the packed weight is widened once per call into its float32 transpose (`unpack_vnni_f32` in cpu_matmul.c,
-exact) and multiplied by torch's float32 GEMM (MKL / oneDNN), whose register blocking reaches more of the
-FMA peak than the widening kernel does at large M; below that the widening costs more than it gains, and the
-kernel keeps the rows. The README's CPU section has the measured crossover.
+"""Prefill-sized products on CPUs whose packed products are the AVX2 form (fp32 FMAs on weights widened in
+registers, `cpu_matmul_avx2.c`), part of `CpuKernels` (cpu_ops.py): from `FLOAT_GEMM_MIN_ROWS` rows on, the
+packed weight is turned once per call into its float32 transpose (bf16 widened exactly: `unpack_vnni_f32` in
+cpu_matmul.c; 4-bit codes dequantized as `q * scale + offset`: `unpack_int4_f32` in cpu_matmul_avx2.c) and
+multiplied by torch's float32 GEMM (MKL / oneDNN), whose register blocking reaches more of the FMA peak than the
+widening kernels do at large M; below that the conversion costs more than it gains and the kernels keep the
+rows. The README's CPU section has the measured crossover.
 
-Results: fp32 accumulation and one rounding, as the kernel's, but in the GEMM library's order of sums, which
+Results: fp32 accumulation and one rounding, as the kernels', but in the GEMM library's order of sums, which
 depends on the batch: a row's value is not bitwise the same alone (the kernel) as in a prefill-sized batch.
-CPUs with a bf16 dot product (AVX512-BF16) keep the kernel at every size: there it is at the bf16 peak."""
+CPUs with a bf16 dot product (AVX512-BF16) keep the kernels at every size: there they run at the bf16 peak."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 FLOAT_GEMM_MIN_ROWS = 128  # rows from which the float32 GEMM wins on the AVX2 form (README: measured)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-FLOAT_GEMM_SIGNATURES = {"unpack_vnni_f32": (_P, _I, _I, _P)}
+FLOAT_GEMM_SIGNATURES = {"unpack_vnni_f32": (_P, _I, _I, _P), "unpack_int4_f32": (_P, _P, _P, _I, _I, _I, _P)}
 
 
 class FloatGemm:
@@ -28,6 +29,8 @@ class FloatGemm:
 
     def _bind_float_gemm(self, library: ctypes.CDLL) -> None:
         self._unpack_vnni = library.unpack_vnni_f32
+        self._unpack_int4 = library.unpack_int4_f32
+        self._unpack_int4.restype = ctypes.c_int64
 
     def takes_float_gemm(self, rows: int) -> bool:
         """Whether `linear_vnni` of `rows` rows runs as a float32 GEMM here (AVX2 form, >= FLOAT_GEMM_MIN_ROWS)."""
@@ -40,10 +43,31 @@ class FloatGemm:
         self._unpack_vnni(packed.data_ptr(), n, k, wt.data_ptr())
         return wt
 
+    def unpack_int4(self, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """An AVX2-form `pack_int4` weight (codes, fp16 scale and offset) as `q * scale + offset`, float32
+        transposed: `[K, N]`."""
+        codes, scale, offset = packed
+        n, k = codes.shape[0] * 16, codes.shape[1] * 4
+        wt = torch.empty((k, n), dtype=torch.float32)
+        if self._unpack_int4(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, k // scale.shape[1],
+                             wt.data_ptr()):
+            raise RuntimeError("unpack_int4: this build's 4-bit codes are not in the AVX2 form's order")
+        return wt
+
     def float_gemm_vnni(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """`x [M, K]` (bf16, checked by the caller) times the packed weight, + bias, in `out_dtype`."""
-        wt = self.unpack_vnni(packed)
+        return self._float_gemm(x, self.unpack_vnni(packed), bias, out_dtype)
+
+    def float_gemm_int4(self, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """`x [M, K]` (bf16, checked by the caller) times the dequantized 4-bit weight, + bias, in `out_dtype`
+        (x exact here, where the 4-bit kernel rounds it to 15-bit integers per 32)."""
+        return self._float_gemm(x, self.unpack_int4(packed), bias, out_dtype)
+
+    @staticmethod
+    def _float_gemm(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
         xf = x.float()
         out = torch.mm(xf, wt) if bias is None else torch.addmm(bias.float(), xf, wt)
         return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -274,12 +274,15 @@ class CpuKernels(Q8Products, FloatGemm):
                     out_dtype: torch.dtype = _BF16) -> torch.Tensor:
         """x `[M, K]` (bf16 rows, unit stride) times a `pack_int4` weight (+ bias) -> `[M, N]` in bf16 or
         float32: exact-product sums of codes and x per group, scaled in fp32 (only x is rounded, as in
-        the bf16 path). Needs `packed_matmuls`."""
+        the bf16 path); from FLOAT_GEMM_MIN_ROWS rows on the AVX2 form, a float32 GEMM of the dequantized
+        weight (cpu_float_gemm.py). Needs `packed_matmuls`."""
         codes, scale, offset = packed
         rows, k = x.shape
         n, gs = codes.shape[0] * 16, k // scale.shape[1]  # the group size the scales were packed with
         if x.stride(1) != 1 or codes.shape[1] * 4 != k or (bias is not None and bias.shape[0] != n):
             raise ValueError(f"linear_int4: x {tuple(x.shape)} does not fit packed codes {tuple(codes.shape)}")
+        if self.takes_float_gemm(rows) and gs % 32 == 0 and k % gs == 0:
+            return self.float_gemm_int4(x, packed, bias, out_dtype)
         out = torch.empty((rows, n), dtype=out_dtype)
         status = self._linear_int4(x.data_ptr(), x.stride(0), codes.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), n, rows, n, k,

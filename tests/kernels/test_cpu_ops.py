@@ -234,6 +234,25 @@ def test_linear_int4(kernels, rows):
     torch.testing.assert_close(want, x.float() @ weight.T + bias.float(), rtol=1e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_prefill_sized_4bit_products_take_the_float_gemm_on_the_avx2_form(kernels, group_size):
+    """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form dequantizes the codes into the float32 transpose of
+    q * scale + offset and multiplies x as given (no 15-bit rounding of x)."""
+    if not kernels.packed_matmuls:
+        pytest.skip("no packed products in this build")
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randint(0, 16, (48, 128), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(48, 128 // group_size, generator=gen) * 0.1).half().float()
+    offset = (torch.randn(48, 128 // group_size, generator=gen) * 0.1).half().float()
+    packed = kernels.pack_int4(q, scale, offset, group_size)
+    weight = q.float() * scale.repeat_interleave(group_size, 1) + offset.repeat_interleave(group_size, 1)
+    if kernels.packed_isa == "avx2":
+        assert torch.equal(kernels.unpack_int4(packed), weight.T)
+    x, bias = _rand(FLOAT_GEMM_MIN_ROWS + 3, 256, seed=32)[:, :128], _rand(48, seed=33)  # strided rows
+    got = kernels.linear_int4(x, packed, bias, torch.float32)
+    torch.testing.assert_close(got, x.float() @ weight.T + bias.float(), rtol=1e-5, atol=1e-4)
+
+
 def test_linear_int4_one_row_sums_as_in_a_batch(kernels):
     """A row's result does not depend on the rows beside it (a request's tokens do not depend on the batch)."""
     if not kernels.packed_matmuls:
