@@ -13,17 +13,20 @@ CPUs with a bf16 dot product (AVX512-BF16) keep the kernels at every size: there
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
 FLOAT_GEMM_MIN_ROWS = 128  # rows from which the float32 GEMM wins on the AVX2 form (README: measured)
+FLOAT_GEMM_SLAB_BYTES = 8 << 20  # the float32 copy is made a slab of columns at a time: memory stays bounded
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-FLOAT_GEMM_SIGNATURES = {"unpack_vnni_f32": (_P, _I, _I, _P), "unpack_int4_f32": (_P, _P, _P, _I, _I, _I, _P)}
+FLOAT_GEMM_SIGNATURES = {"unpack_vnni_f32": (_P, _I, _I, _I, _P), "unpack_int4_f32": (_P, _P, _P, _I, _I, _I, _I, _P)}
 
 
 class FloatGemm:
-    """The float32-GEMM form of `linear_vnni`; `_bind_float_gemm` takes the loaded library (typed by CpuKernels)."""
+    """The float32-GEMM forms of `linear_vnni` and `linear_int4`; `_bind_float_gemm` takes the loaded library
+    (typed by CpuKernels)."""
 
     packed_isa: str | None
 
@@ -33,23 +36,26 @@ class FloatGemm:
         self._unpack_int4.restype = ctypes.c_int64
 
     def takes_float_gemm(self, rows: int) -> bool:
-        """Whether `linear_vnni` of `rows` rows runs as a float32 GEMM here (AVX2 form, >= FLOAT_GEMM_MIN_ROWS)."""
+        """Whether a packed product of `rows` rows runs as a float32 GEMM here (AVX2 form, >= FLOAT_GEMM_MIN_ROWS)."""
         return self.packed_isa == "avx2" and rows >= FLOAT_GEMM_MIN_ROWS
 
-    def unpack_vnni(self, packed: torch.Tensor) -> torch.Tensor:
-        """A `pack_vnni` weight `[N/16, K/2, 16, 2]` (bf16, contiguous) as its float32 transpose `[K, N]`."""
-        n, k = packed.shape[0] * 16, packed.shape[1] * 2
-        wt = torch.empty((k, n), dtype=torch.float32)
-        self._unpack_vnni(packed.data_ptr(), n, k, wt.data_ptr())
+    def unpack_vnni(self, packed: torch.Tensor, g0: int = 0, ng: int | None = None) -> torch.Tensor:
+        """Column groups `[g0, g0 + ng)` (all by default) of a `pack_vnni` weight `[N/16, K/2, 16, 2]` (bf16,
+        contiguous) as their float32 transpose `[K, 16 ng]`."""
+        ng = packed.shape[0] - g0 if ng is None else ng
+        k = packed.shape[1] * 2
+        wt = torch.empty((k, 16 * ng), dtype=torch.float32)
+        self._unpack_vnni(packed.data_ptr(), k, g0, ng, wt.data_ptr())
         return wt
 
-    def unpack_int4(self, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """An AVX2-form `pack_int4` weight (codes, fp16 scale and offset) as `q * scale + offset`, float32
-        transposed: `[K, N]`."""
+    def unpack_int4(self, packed: tuple[torch.Tensor, ...], g0: int = 0, ng: int | None = None) -> torch.Tensor:
+        """Column groups `[g0, g0 + ng)` (all by default) of an AVX2-form `pack_int4` weight (codes, fp16 scale
+        and offset) as `q * scale + offset`, float32 transposed: `[K, 16 ng]`."""
         codes, scale, offset = packed
-        n, k = codes.shape[0] * 16, codes.shape[1] * 4
-        wt = torch.empty((k, n), dtype=torch.float32)
-        if self._unpack_int4(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, k // scale.shape[1],
+        ng = codes.shape[0] - g0 if ng is None else ng
+        k = codes.shape[1] * 4
+        wt = torch.empty((k, 16 * ng), dtype=torch.float32)
+        if self._unpack_int4(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), k, k // scale.shape[1], g0, ng,
                              wt.data_ptr()):
             raise RuntimeError("unpack_int4: this build's 4-bit codes are not in the AVX2 form's order")
         return wt
@@ -57,17 +63,26 @@ class FloatGemm:
     def float_gemm_vnni(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """`x [M, K]` (bf16, checked by the caller) times the packed weight, + bias, in `out_dtype`."""
-        return self._float_gemm(x, self.unpack_vnni(packed), bias, out_dtype)
+        return _float_gemm(x, lambda g0, ng: self.unpack_vnni(packed, g0, ng), packed.shape[0], bias, out_dtype)
 
     def float_gemm_int4(self, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
                         out_dtype: torch.dtype) -> torch.Tensor:
         """`x [M, K]` (bf16, checked by the caller) times the dequantized 4-bit weight, + bias, in `out_dtype`
         (x exact here, where the 4-bit kernel rounds it to 15-bit integers per 32)."""
-        return self._float_gemm(x, self.unpack_int4(packed), bias, out_dtype)
+        return _float_gemm(x, lambda g0, ng: self.unpack_int4(packed, g0, ng), packed[0].shape[0], bias, out_dtype)
 
-    @staticmethod
-    def _float_gemm(x: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-        xf = x.float()
-        out = torch.mm(xf, wt) if bias is None else torch.addmm(bias.float(), xf, wt)
-        return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+def _float_gemm(x: torch.Tensor, unpack: Callable[[int, int], torch.Tensor], groups: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """x times the weight whose column groups `unpack(g0, ng)` gives as float32 `[K, 16 ng]`, a slab of at most
+    FLOAT_GEMM_SLAB_BYTES at a time (one slab for a small model's layers; an LM head or a large model's MLP in
+    several)."""
+    xf = x.float()
+    per = max(1, FLOAT_GEMM_SLAB_BYTES // (x.shape[1] * 16 * 4))
+    outs = []
+    for g0 in range(0, groups, per):
+        ng = min(per, groups - g0)
+        wt = unpack(g0, ng)
+        outs.append(torch.mm(xf, wt) if bias is None else torch.addmm(bias[16 * g0:16 * (g0 + ng)].float(), xf, wt))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -95,16 +95,16 @@ int64_t has_native_bf16_dot(void) {
 #endif
 }
 
-/* The pack_vnni weight ([N/16, K/2, 16, 2] bf16) widened into wt [K, N] fp32, the weight's transpose
- * (exact: bf16 widens to fp32 without rounding), for a float32 GEMM library's prefill-sized products on
- * CPUs without a bf16 dot product (cpu_gemm.py). Each thread writes whole rows of wt. */
-void unpack_vnni_f32(const bf16 *packed, int64_t N, int64_t K, float *wt) {
-    const int64_t pairs = K / 2, groups = N / 16;
-#pragma omp parallel for schedule(static) if (N * K > 65536)
+/* Column groups [g0, g0 + ng) of a pack_vnni weight ([N/16, K/2, 16, 2] bf16) widened into wt [K, 16 ng] fp32,
+ * their transpose (exact: bf16 widens to fp32 without rounding), for a float32 GEMM library's prefill-sized
+ * products on CPUs without a bf16 dot product (cpu_float_gemm.py). Each thread writes whole rows of wt. */
+void unpack_vnni_f32(const bf16 *packed, int64_t K, int64_t g0, int64_t ng, float *wt) {
+    const int64_t pairs = K / 2, width = 16 * ng;
+#pragma omp parallel for schedule(static) if (width * K > 65536)
     for (int64_t kp = 0; kp < pairs; kp++) {
-        float *even = wt + 2 * kp * N, *odd = even + N;
-        for (int64_t g = 0; g < groups; g++) {
-            const bf16 *src = packed + (g * pairs + kp) * 32;
+        float *even = wt + 2 * kp * width, *odd = even + width;
+        for (int64_t g = 0; g < ng; g++) {
+            const bf16 *src = packed + ((g0 + g) * pairs + kp) * 32;
             for (int64_t j = 0; j < 16; j++) {
                 even[g * 16 + j] = bf16_to_f32(src[2 * j]);
                 odd[g * 16 + j] = bf16_to_f32(src[2 * j + 1]);

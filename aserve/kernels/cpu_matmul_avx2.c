@@ -300,26 +300,26 @@ int64_t linear_int4_avx2(const bf16 *x, int64_t x_stride, const uint8_t *q_packe
 }
 #endif
 
-/* The AVX2 form's pack_int4 weight (codes [N/16, K/4, 32]: byte 4c + j of step t holds k = 4t + j of columns
- * c (low nibble) and c + 8 (high); fp16 d, m [N/16, K/gs, 16]) dequantized into wt [K, N] fp32, the weight's
- * transpose, w = q d + m, for a float32 GEMM library's prefill-sized products (cpu_float_gemm.py); 0, or -1 on
- * builds without the AVX2 form (whose codes are in another order). */
-int64_t unpack_int4_f32(const uint8_t *q_packed, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K, int64_t gs,
-                        float *wt) {
+/* Column groups [g0, g0 + ng) of the AVX2 form's pack_int4 weight (codes [N/16, K/4, 32]: byte 4c + j of step t
+ * holds k = 4t + j of columns c (low nibble) and c + 8 (high); fp16 d, m [N/16, K/gs, 16]) dequantized into
+ * wt [K, 16 ng] fp32, their transpose, w = q d + m, for a float32 GEMM library's prefill-sized products
+ * (cpu_float_gemm.py); 0, or -1 on builds without the AVX2 form (whose codes are in another order). */
+int64_t unpack_int4_f32(const uint8_t *q_packed, const uint16_t *d, const uint16_t *m, int64_t K, int64_t gs,
+                        int64_t g0, int64_t ng, float *wt) {
 #if ASERVE_PACKED_AVX2
-    const int64_t steps = K / 4, groups = N / 16;
-#pragma omp parallel for schedule(static) if (N * K > 65536)
+    const int64_t steps = K / 4, width = 16 * ng;
+#pragma omp parallel for schedule(static) if (width * K > 65536)
     for (int64_t t = 0; t < steps; t++)
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *src = q_packed + (g * steps + t) * 32;
-            const int64_t at = (g * (K / gs) + 4 * t / gs) * 16;
+        for (int64_t g = 0; g < ng; g++) {
+            const uint8_t *src = q_packed + ((g0 + g) * steps + t) * 32;
+            const int64_t at = ((g0 + g) * (K / gs) + 4 * t / gs) * 16;
             float dg[16], mg[16];
             for (int64_t c = 0; c < 16; c++) {
                 dg[c] = _cvtsh_ss(d[at + c]);
                 mg[c] = _cvtsh_ss(m[at + c]);
             }
             for (int64_t j = 0; j < 4; j++) {
-                float *row = wt + (4 * t + j) * N + g * 16;
+                float *row = wt + (4 * t + j) * width + g * 16;
                 for (int64_t c = 0; c < 8; c++) {
                     const uint8_t b = src[4 * c + j];
                     row[c] = (float)(b & 15) * dg[c] + mg[c];
@@ -329,7 +329,7 @@ int64_t unpack_int4_f32(const uint8_t *q_packed, const uint16_t *d, const uint16
         }
     return 0;
 #else
-    (void)q_packed; (void)d; (void)m; (void)N; (void)K; (void)gs; (void)wt;
+    (void)q_packed; (void)d; (void)m; (void)K; (void)gs; (void)g0; (void)ng; (void)wt;
     return -1;
 #endif
 }

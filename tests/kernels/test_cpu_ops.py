@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu_ops, reference
+from aserve.kernels import cpu_float_gemm
 from aserve.kernels.cpu_float_gemm import FLOAT_GEMM_MIN_ROWS
 from tests.support.cpu_marches import MARCHES, build_cpu_kernels
 
@@ -154,20 +155,25 @@ def test_linear_vnni(kernels, rows):
     torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_sized_products_take_the_float_gemm_on_the_avx2_form(kernels):
-    """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form widens the packed weight into its exact float32 transpose and
-    multiplies it with torch's GEMM; bf16 dot-product builds keep the kernel at every size."""
+@pytest.mark.parametrize("slab_groups", [None, 4])  # None: one slab; 4: the 6 column groups in slabs of 4 and 2
+def test_prefill_sized_products_take_the_float_gemm_on_the_avx2_form(kernels, slab_groups, monkeypatch):
+    """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form widens the packed weight into its exact float32 transpose
+    (a slab of columns at a time) and multiplies it with torch's GEMM; bf16 dot-product builds keep the kernel
+    at every size."""
     if not kernels.packed_matmuls:
         pytest.skip("no packed products in this build")
+    if slab_groups:
+        monkeypatch.setattr(cpu_float_gemm, "FLOAT_GEMM_SLAB_BYTES", 70 * 16 * 4 * slab_groups)
     rows = FLOAT_GEMM_MIN_ROWS
     assert kernels.takes_float_gemm(rows) == (kernels.packed_isa == "avx2")
     assert not kernels.takes_float_gemm(rows - 1)
-    weight = _rand(96, 70, seed=27)  # 35 k-pairs: an odd count
-    assert torch.equal(kernels.unpack_vnni(kernels.pack_vnni(weight)), weight.float().T)
+    weight, bias = _rand(96, 70, seed=27), _rand(96, seed=29)  # 35 k-pairs: an odd count
+    packed = kernels.pack_vnni(weight)
+    assert torch.equal(kernels.unpack_vnni(packed), weight.float().T)
+    assert torch.equal(kernels.unpack_vnni(packed, 2, 3), weight.float().T[:, 32:80])
     x = _rand(rows, 70, seed=28)
-    want = x.float() @ weight.float().T
-    torch.testing.assert_close(kernels.linear_vnni(x, kernels.pack_vnni(weight), None, torch.float32), want,
-                               rtol=1e-5, atol=1e-5)
+    want = x.float() @ weight.float().T + bias.float()
+    torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("in_features", [576, 70])  # 70: an odd count of k-pairs (the one-row tail)
@@ -234,8 +240,9 @@ def test_linear_int4(kernels, rows):
     torch.testing.assert_close(want, x.float() @ weight.T + bias.float(), rtol=1e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("group_size", [32, 64])
-def test_prefill_sized_4bit_products_take_the_float_gemm_on_the_avx2_form(kernels, group_size):
+@pytest.mark.parametrize("group_size,slab_groups", [(32, None), (64, None), (32, 2)])
+def test_prefill_sized_4bit_products_take_the_float_gemm_on_the_avx2_form(kernels, group_size, slab_groups,
+                                                                          monkeypatch):
     """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form dequantizes the codes into the float32 transpose of
     q * scale + offset and multiplies x as given (no 15-bit rounding of x)."""
     if not kernels.packed_matmuls:
@@ -244,10 +251,13 @@ def test_prefill_sized_4bit_products_take_the_float_gemm_on_the_avx2_form(kernel
     q = torch.randint(0, 16, (48, 128), generator=gen, dtype=torch.uint8)
     scale = (torch.rand(48, 128 // group_size, generator=gen) * 0.1).half().float()
     offset = (torch.randn(48, 128 // group_size, generator=gen) * 0.1).half().float()
+    if slab_groups:
+        monkeypatch.setattr(cpu_float_gemm, "FLOAT_GEMM_SLAB_BYTES", 128 * 16 * 4 * slab_groups)
     packed = kernels.pack_int4(q, scale, offset, group_size)
     weight = q.float() * scale.repeat_interleave(group_size, 1) + offset.repeat_interleave(group_size, 1)
     if kernels.packed_isa == "avx2":
         assert torch.equal(kernels.unpack_int4(packed), weight.T)
+        assert torch.equal(kernels.unpack_int4(packed, 1, 2), weight.T[:, 16:48])
     x, bias = _rand(FLOAT_GEMM_MIN_ROWS + 3, 256, seed=32)[:, :128], _rand(48, seed=33)  # strided rows
     got = kernels.linear_int4(x, packed, bias, torch.float32)
     torch.testing.assert_close(got, x.float() @ weight.T + bias.float(), rtol=1e-5, atol=1e-4)
