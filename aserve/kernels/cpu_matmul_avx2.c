@@ -308,23 +308,28 @@ int64_t unpack_int4_f32(const uint8_t *q_packed, const uint16_t *d, const uint16
                         int64_t g0, int64_t ng, float *wt) {
 #if ASERVE_PACKED_AVX2
     const int64_t steps = K / 4, width = 16 * ng;
+    /* per 128-bit lane (4 columns), bytes regrouped k-major: 32-bit element j holds k = 4t + j of its 4 columns */
+    const __m256i by_k = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
 #pragma omp parallel for schedule(static) if (width * K > 65536)
     for (int64_t t = 0; t < steps; t++)
         for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *src = q_packed + ((g0 + g) * steps + t) * 32;
+            const __m256i bytes = _mm256_shuffle_epi8(
+                _mm256_loadu_si256((const __m256i *)(q_packed + ((g0 + g) * steps + t) * 32)), by_k);
+            const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
             const int64_t at = ((g0 + g) * (K / gs) + 4 * t / gs) * 16;
-            float dg[16], mg[16];
-            for (int64_t c = 0; c < 16; c++) {
-                dg[c] = _cvtsh_ss(d[at + c]);
-                mg[c] = _cvtsh_ss(m[at + c]);
-            }
-            for (int64_t j = 0; j < 4; j++) {
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + at)));
+            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + at + 8)));
+            const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + at)));
+            const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + at + 8)));
+            for (int j = 0; j < 4; j++) { /* row k = 4t + j: columns 0-7 from the low nibbles, 8-15 from the high */
+                const __m256i pick = _mm256_setr_epi32(j, j + 4, 0, 0, 0, 0, 0, 0);
+                const __m128i q0 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(lo, pick));
+                const __m128i q1 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(hi, pick));
                 float *row = wt + (4 * t + j) * width + g * 16;
-                for (int64_t c = 0; c < 8; c++) {
-                    const uint8_t b = src[4 * c + j];
-                    row[c] = (float)(b & 15) * dg[c] + mg[c];
-                    row[c + 8] = (float)(b >> 4) * dg[c + 8] + mg[c + 8];
-                }
+                _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q0)), d0, m0));
+                _mm256_storeu_ps(row + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q1)), d1, m1));
             }
         }
     return 0;
