@@ -76,13 +76,15 @@ def _float_gemm(x: torch.Tensor, unpack: Callable[[int, int], torch.Tensor], gro
                 out_dtype: torch.dtype) -> torch.Tensor:
     """x times the weight whose column groups `unpack(g0, ng)` gives as float32 `[K, 16 ng]`, a slab of at most
     FLOAT_GEMM_SLAB_BYTES at a time (one slab for a small model's layers; an LM head or a large model's MLP in
-    several)."""
+    several, each slab's product written into the one output as it comes)."""
     xf = x.float()
     per = max(1, FLOAT_GEMM_SLAB_BYTES // (x.shape[1] * 16 * 4))
-    outs = []
+    out = None if per >= groups else torch.empty((x.shape[0], 16 * groups), dtype=out_dtype)
     for g0 in range(0, groups, per):
         ng = min(per, groups - g0)
         wt = unpack(g0, ng)
-        outs.append(torch.mm(xf, wt) if bias is None else torch.addmm(bias[16 * g0:16 * (g0 + ng)].float(), xf, wt))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+        part = torch.mm(xf, wt) if bias is None else torch.addmm(bias[16 * g0:16 * (g0 + ng)].float(), xf, wt)
+        if out is None:  # one slab
+            return part if out_dtype == torch.float32 else part.to(out_dtype)
+        out[:, 16 * g0:16 * (g0 + ng)].copy_(part)
+    return out

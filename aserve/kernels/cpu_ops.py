@@ -281,7 +281,7 @@ class CpuKernels(Q8Products, FloatGemm):
         n, gs = codes.shape[0] * 16, k // scale.shape[1]  # the group size the scales were packed with
         if x.stride(1) != 1 or codes.shape[1] * 4 != k or (bias is not None and bias.shape[0] != n):
             raise ValueError(f"linear_int4: x {tuple(x.shape)} does not fit packed codes {tuple(codes.shape)}")
-        if self.takes_float_gemm(rows) and gs % 32 == 0 and k % gs == 0:
+        if self.takes_float_gemm(rows) and gs and gs % 32 == 0 and k % gs == 0:
             return self.float_gemm_int4(x, packed, bias, out_dtype)
         out = torch.empty((rows, n), dtype=out_dtype)
         status = self._linear_int4(x.data_ptr(), x.stride(0), codes.data_ptr(), scale.data_ptr(), offset.data_ptr(),

@@ -6,7 +6,9 @@ The runner builds it after binding the KV cache (`CpuDecodeStep.build`, None whe
 qualify; the reason is logged once) and uses it for steps where every row decodes one token, with no
 padding and no LoRA. The embedding (with learned positions where the family has them) and the final
 norm stay the model's own modules. For the RMSNorm families the call runs the same kernels in the same
-order as the layer-by-layer forward, so its hidden states are bitwise the same; GPT-2 and OPT (whose
+order as the layer-by-layer forward, so its hidden states are bitwise the same (below FLOAT_GEMM_MIN_ROWS
+rows: from there the layers' products on the AVX2 form are a float32 GEMM, `kernels/cpu_float_gemm.py`,
+within rounding of the kernels, while this call keeps the kernels at any size); GPT-2 and OPT (whose
 LayerNorms and activations are torch ops layer by layer) and MoE blocks (whose routing softmax is) agree
 within bf16 rounding. The layers remain the reference and the fallback. With torch's thread count at
 two or more the call's threads share its ops as one team (`kernels/cpu_team.h`: no barrier between ops,

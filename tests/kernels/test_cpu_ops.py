@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from aserve.kernels import cpu_ops, reference
-from aserve.kernels import cpu_float_gemm
-from aserve.kernels.cpu_float_gemm import FLOAT_GEMM_MIN_ROWS
 from tests.support.cpu_marches import MARCHES, build_cpu_kernels
 
 BF16 = torch.bfloat16
@@ -139,8 +137,7 @@ def test_linear(kernels, rows, in_features):
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
-# register blocks of 6 rows: full, partial, several; 130: prefill-sized (a float32 GEMM on the AVX2 form)
-@pytest.mark.parametrize("rows", [1, 5, 6, 13, 130])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13])  # register blocks of 6 rows: full, partial, several
 def test_linear_vnni(kernels, rows):
     weight, bias = _rand(80, 64, seed=15, scale=0.2), _rand(80, seed=16)  # 80 columns: 64 + a group of 16
     packed = kernels.pack_vnni(weight)
@@ -152,27 +149,6 @@ def test_linear_vnni(kernels, rows):
         return
     want = x.float() @ weight.float().T + bias.float()
     assert_rounded_once(kernels.linear_vnni(x, packed, bias), want, exact_fraction=0.95)
-    torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("slab_groups", [None, 4])  # None: one slab; 4: the 6 column groups in slabs of 4 and 2
-def test_prefill_sized_products_take_the_float_gemm_on_the_avx2_form(kernels, slab_groups, monkeypatch):
-    """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form widens the packed weight into its exact float32 transpose
-    (a slab of columns at a time) and multiplies it with torch's GEMM; bf16 dot-product builds keep the kernel
-    at every size."""
-    if not kernels.packed_matmuls:
-        pytest.skip("no packed products in this build")
-    if slab_groups:
-        monkeypatch.setattr(cpu_float_gemm, "FLOAT_GEMM_SLAB_BYTES", 70 * 16 * 4 * slab_groups)
-    rows = FLOAT_GEMM_MIN_ROWS
-    assert kernels.takes_float_gemm(rows) == (kernels.packed_isa == "avx2")
-    assert not kernels.takes_float_gemm(rows - 1)
-    weight, bias = _rand(96, 70, seed=27), _rand(96, seed=29)  # 35 k-pairs: an odd count
-    packed = kernels.pack_vnni(weight)
-    assert torch.equal(kernels.unpack_vnni(packed), weight.float().T)
-    assert torch.equal(kernels.unpack_vnni(packed, 2, 3), weight.float().T[:, 32:80])
-    x = _rand(rows, 70, seed=28)
-    want = x.float() @ weight.float().T + bias.float()
     torch.testing.assert_close(kernels.linear_vnni(x, packed, bias, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
@@ -238,29 +214,6 @@ def test_linear_int4(kernels, rows):
     assert_rounded_once(kernels.linear_int4(x, packed, bias), want, exact_fraction=0.95)
     # x's 15-bit rounding (AVX2) stays far inside bf16's own rounding of x
     torch.testing.assert_close(want, x.float() @ weight.T + bias.float(), rtol=1e-3, atol=2e-3)
-
-
-@pytest.mark.parametrize("group_size,slab_groups", [(32, None), (64, None), (32, 2)])
-def test_prefill_sized_4bit_products_take_the_float_gemm_on_the_avx2_form(kernels, group_size, slab_groups,
-                                                                          monkeypatch):
-    """From FLOAT_GEMM_MIN_ROWS rows the AVX2 form dequantizes the codes into the float32 transpose of
-    q * scale + offset and multiplies x as given (no 15-bit rounding of x)."""
-    if not kernels.packed_matmuls:
-        pytest.skip("no packed products in this build")
-    gen = torch.Generator().manual_seed(31)
-    q = torch.randint(0, 16, (48, 128), generator=gen, dtype=torch.uint8)
-    scale = (torch.rand(48, 128 // group_size, generator=gen) * 0.1).half().float()
-    offset = (torch.randn(48, 128 // group_size, generator=gen) * 0.1).half().float()
-    if slab_groups:
-        monkeypatch.setattr(cpu_float_gemm, "FLOAT_GEMM_SLAB_BYTES", 128 * 16 * 4 * slab_groups)
-    packed = kernels.pack_int4(q, scale, offset, group_size)
-    weight = q.float() * scale.repeat_interleave(group_size, 1) + offset.repeat_interleave(group_size, 1)
-    if kernels.packed_isa == "avx2":
-        assert torch.equal(kernels.unpack_int4(packed), weight.T)
-        assert torch.equal(kernels.unpack_int4(packed, 1, 2), weight.T[:, 16:48])
-    x, bias = _rand(FLOAT_GEMM_MIN_ROWS + 3, 256, seed=32)[:, :128], _rand(48, seed=33)  # strided rows
-    got = kernels.linear_int4(x, packed, bias, torch.float32)
-    torch.testing.assert_close(got, x.float() @ weight.T + bias.float(), rtol=1e-5, atol=1e-4)
 
 
 def test_linear_int4_one_row_sums_as_in_a_batch(kernels):

@@ -6,7 +6,9 @@ After loading, the weight is re-laid out in pairs along K (`CpuKernels.pack_vnni
 the Hugging Face copy is dropped) and every batch multiplies in `linear_vnni`: register blocks of 6 rows
 x 64 columns fed by one broadcast pair of x per dot product, so the weight streams once per step at
 decode sizes and prefill runs as fast as oneDNN (on AVX2, 4 rows x 16 columns per register block;
-torch's bf16 `F.linear` there is emulated, slower). Measured on 2 vCPUs with AVX512-BF16 (all Linear
+torch's bf16 `F.linear` there is emulated, slower; from 128 rows the AVX2 form hands the product to
+torch's float32 GEMM on a widened copy of the weight, `kernels/cpu_float_gemm.py`, and a row's result
+then depends on its batch). Measured on 2 vCPUs with AVX512-BF16 (all Linear
 weights of SmolLM2-135M, 30 layers, one call each, a busy host): 10.3 ms at 1 row vs 14.6 ms for
 oneDNN's pre-packed weights; 27.5 vs 32.1 ms at 16 rows; 88.9 vs 96.9 ms at 64; even at 256 (356 vs
 352 ms). A weight whose shape does not pack (N not a multiple of 16, K odd) keeps the Hugging Face

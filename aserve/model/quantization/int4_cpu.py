@@ -9,7 +9,9 @@ min/max quantization of a float weight produces it too (`quantize_int4`).
 
 aserve's kernel multiplies the codes exactly and applies each group's scale and offset in fp32 (only
 the activations are rounded: to bf16, and on AVX2 further to 15-bit integers per 32 for integer dot
-products); it may return float32 for layers with `float_output`. torch's kernel
+products; from 128 rows on AVX2, prefill, the weight is dequantized to float32, `q * scale + offset`
+rounded once, for torch's float32 GEMM with x as given: `kernels/cpu_float_gemm.py`); it may return
+float32 for layers with `float_output`. torch's kernel
 computes in the activation dtype, and its scales/zeros must be in that dtype: with bf16
 activations it is the fast path (scales rounded to bf16); with fp32 activations it reproduces the
 dequantized weight to float rounding, but its cost grows with every row (about 5 ms per row for a
@@ -88,8 +90,9 @@ def pack_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero
               dtype: torch.dtype, group_size: int = GROUP_SIZE, exact: bool = True) -> None:
     """Register the kernel's operands on `layer`. With bf16 activations where aserve's C kernel applies
     (`cpu_ops.linear_int4`: groups of a multiple of 32, AVX512-BF16 or AVX2): `int4_c_codes`, `int4_c_scale`, `int4_c_offset`
-    (its packed form; it computes `sum(q x)` per group exactly and scales in fp32, so only x is rounded,
-    and it is 2x faster than torch's kernel at one row; `exact`: only when every scale and offset is
+    (its packed form; it computes `sum(q x)` per group exactly and scales in fp32, so only x is rounded
+    (prefill-sized batches on AVX2: see the module docstring), and it is 2x faster than torch's kernel
+    at one row; `exact`: only when every scale and offset is
     exact in fp16, else they are rounded to fp16). Otherwise torch's: `int4_weight` (packed uint8)
     and `int4_scales_zeros` (`[K/group, N, 2]` in the activation dtype `dtype`); for fp32 also `int4_q`,
     `int4_scale`, `int4_zero` (the unpacked form, for prompts; see the module docstring)."""
